@@ -1,0 +1,199 @@
+"""BAM attention (GGD positional prior + SSMax) in pure PyTorch, tiled over query blocks.
+
+This is the op the CPU training path calls and the reference a Triton kernel is tested against. It
+never builds an N x N tensor: each query block only touches the keys its causal mask, window and
+document can reach, and the backward recomputes probabilities from the saved row log-sum-exp
+(flash-attention style), so memory is O(B·H·block·keys) per step and cost with a window is O(N·w).
+"""
+import math
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+EPS = 1e-5  # keeps the diagonal prior finite when theta_beta < 0
+# Cap on the prior's exponent (theta_alpha + theta_beta·ln(|d|+eps)). A log-prior of -e^60 already
+# gives zero probability next to any sane logit; the cap keeps the prior, its product with the SSMax
+# scale and all gradients finite in fp32 for any theta. Past the cap the prior's gradient is zero.
+EXP_CAP = 60.0
+
+
+class _Params(NamedTuple):
+    alpha: Optional[Tensor]  # (H,) theta_alpha, in the compute dtype; None = no prior
+    beta: Optional[Tensor]
+    mu: Optional[Tensor]  # raw theta_mu; None = mu 0
+    s: Optional[Tensor]  # (H,) SSMax scale; None = no SSMax
+    ssmax_before_prior: bool
+    scale: float
+
+
+def _params(dtype, thetas, ssmax_before_prior: bool, scale: float) -> _Params:
+    """The (θα, θβ, θμ, s) tensors, detached and cast to the compute dtype, with the options."""
+    return _Params(*(None if t is None else t.detach().to(dtype) for t in thetas),
+                   ssmax_before_prior, scale)
+
+
+def _key_start(doc_ids: Optional[Tensor], window: Optional[int], n: int, device) -> Tensor:
+    """lo[b, i]: first key query i may attend to, (B or 1, N) long; row i sees keys lo..i.
+
+    Documents are contiguous runs of equal doc_ids, so the document constraint is j >= start of i's
+    document. lo is non-decreasing in i, and n_i = i - lo + 1 is the SSMax key count.
+    """
+    i = torch.arange(n, device=device)
+    if doc_ids is None:
+        lo = torch.zeros(1, n, dtype=torch.long, device=device)
+    else:
+        new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
+        new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        lo = torch.where(new_doc, i, 0).cummax(-1).values
+    if window is not None:
+        lo = torch.maximum(lo, i - window + 1)
+    return lo
+
+
+def _blocks(lo: Tensor, n: int, block: int):
+    """Yield (q_start, q_end, k_start): each query block and the first key any of its rows can see."""
+    for qs in range(0, n, block):
+        yield qs, min(qs + block, n), int(lo[:, qs].min())
+
+
+def _prior(p: _Params, delta: Tensor):
+    """GGD log-prior -exp(θα)·(|d|+ε)^θβ at relative positions delta = j - i (1-D), as (H, L).
+
+    d = delta - 2·sinh(θμ). Returns (prior, live, log_a, d): live marks entries under EXP_CAP (where
+    the gradient flows) and log_a = ln(|d|+ε); the backward needs all of them. Computed in log space
+    so exp(θα) and a^θβ cannot overflow on their own.
+    """
+    d = delta.to(p.alpha.dtype)[None]
+    if p.mu is not None:
+        d = d - 2 * torch.sinh(p.mu)[:, None]
+    log_a = torch.log(d.abs() + EPS)
+    expo = p.alpha[:, None] + p.beta[:, None] * log_a
+    return -torch.exp(expo.clamp(max=EXP_CAP)), expo < EXP_CAP, log_a, d
+
+
+def _block_logits(q: Tensor, k: Tensor, qs: int, ks: int, lo: Tensor, p: _Params):
+    """Masked logits (B, H, R, C) of query rows qs.. against keys ks.., plus what the backward needs.
+
+    q: (B, H, R, D) and k: (B, H, C, D) in the compute dtype, lo: (B or 1, R) key starts of the rows.
+    Returns (logits, qk, log_n, prior): qk the scaled dot products, log_n (B or 1, 1, R, 1) = ln n_i
+    or None, prior None or (tile (H, R, C), offset index (R, C), the _prior tuple over offsets).
+    Masked entries are -inf, so exp() makes them exactly 0.
+    """
+    R, C = q.shape[-2], k.shape[-2]
+    rows = torch.arange(qs, qs + R, device=q.device)
+    cols = torch.arange(ks, ks + C, device=q.device)
+    qk = (q @ k.transpose(-1, -2)) * p.scale
+    logits, prior = qk, None
+    if p.alpha is not None:
+        # The prior depends on j - i only: evaluate it once per offset (R + C - 1 values, not R·C)
+        # and gather the tile from that Toeplitz table.
+        first = ks - (qs + R - 1)
+        terms = _prior(p, torch.arange(first, ks + C - qs, device=q.device))
+        idx = cols[None, :] - rows[:, None] - first
+        prior = (terms[0][:, idx], idx, terms)
+        logits = qk + prior[0]
+    log_n = None
+    if p.s is not None:
+        log_n = torch.log((rows - lo + 1).to(qk.dtype))[:, None, :, None]
+        c = p.s[:, None, None] * log_n
+        logits = qk * c + prior[0] if (prior is not None and p.ssmax_before_prior) else logits * c
+    allowed = (cols[None, None, :] <= rows[None, :, None]) & (cols[None, None, :] >= lo[:, :, None])
+    return logits.masked_fill(~allowed[:, None], -math.inf), qk, log_n, prior
+
+
+class _BAMAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, alpha, beta, mu, s, lo, ssmax_before_prior, block, scale):
+        cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+        p = _params(cd, (alpha, beta, mu, s), ssmax_before_prior, scale)
+        qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
+        B, H, N, _ = q.shape
+        out = torch.empty(B, H, N, v.shape[-1], dtype=cd, device=q.device)
+        lse = torch.empty(B, H, N, dtype=cd, device=q.device)
+        for qs, qe, ks in _blocks(lo, N, block):
+            logits = _block_logits(qc[:, :, qs:qe], kc[:, :, ks:qe], qs, ks, lo[:, qs:qe], p)[0]
+            lse[:, :, qs:qe] = torch.logsumexp(logits, -1)  # finite: the diagonal is always allowed
+            out[:, :, qs:qe] = torch.exp(logits - lse[:, :, qs:qe, None]) @ vc[:, :, ks:qe]
+        ctx.save_for_backward(q, k, v, lse, lo, alpha, beta, mu, s)
+        ctx.cfg = (ssmax_before_prior, block, scale)
+        return out.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, lse, lo, alpha, beta, mu, s = ctx.saved_tensors
+        ssmax_before_prior, block, scale = ctx.cfg
+        cd = lse.dtype
+        p = _params(cd, (alpha, beta, mu, s), ssmax_before_prior, scale)
+        qc, kc, vc, do = q.to(cd), k.to(cd), v.to(cd), dout.to(cd)
+        _, H, N, _ = q.shape
+        dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
+        da, db, dm, ds = (torch.zeros(H, dtype=cd, device=q.device) for _ in range(4))
+        for qs, qe, ks in _blocks(lo, N, block):
+            qb, kb, vb, dob = qc[:, :, qs:qe], kc[:, :, ks:qe], vc[:, :, ks:qe], do[:, :, qs:qe]
+            logits, qk, log_n, prior = _block_logits(qb, kb, qs, ks, lo[:, qs:qe], p)
+            prob = torch.exp(logits - lse[:, :, qs:qe, None])
+            dv[:, :, ks:qe] += prob.transpose(-1, -2) @ dob
+            # Softmax backward p⊙(dP - Σ_j p·dP). A block holds whole rows, so the row sum comes from
+            # the recomputed p rather than rowsum(dO⊙O) (equal in exact arithmetic; a key-tiled
+            # kernel must use the latter): consistent with p, a row with one allowed key gets exactly
+            # zero logit gradient instead of rounding noise amplified by the prior's derivative.
+            dp = dob @ vb.transpose(-1, -2)
+            dlogits = prob * (dp - (prob * dp).sum(-1, keepdim=True))
+            # Chain rule through the SSMax factor c = s·ln n; dlogits is 0 on masked entries.
+            dqk = dprior = dlogits
+            if s is not None:
+                c = p.s[:, None, None] * log_n
+                pre_scale = qk if (prior is None or ssmax_before_prior) else qk + prior[0]
+                ds += (dlogits * pre_scale * log_n).sum((0, 2, 3))
+                dqk = dlogits * c
+                dprior = dlogits if ssmax_before_prior else dqk
+            dq[:, :, qs:qe] = dqk @ kb * scale
+            dk[:, :, ks:qe] += dqk.transpose(-1, -2) @ qb * scale
+            if prior is not None:
+                _, idx, (pr, live, log_a, d) = prior
+                # dL/dprior per offset: sum dprior over the batch and along each diagonal j - i.
+                dpr = torch.zeros_like(pr).index_add_(1, idx.flatten(), dprior.sum(0).flatten(1))
+                g = torch.where(live, dpr * pr, 0)  # dL/d(exponent θα + θβ·log_a)
+                da += g.sum(1)
+                db += (g * log_a).sum(1)
+                if mu is not None:  # d|d|/dμ = -sign(d); d(a^β)/da = β·a^β/a
+                    dm -= (g * p.beta[:, None] * d.sign() / (d.abs() + EPS)).sum(1)
+        if mu is not None:
+            dm = dm * 2 * torch.cosh(p.mu)
+
+        grads = zip((dq, dk, dv, da, db, dm, ds), (q, k, v, alpha, beta, mu, s))
+        return (*(g.to(t.dtype) if ctx.needs_input_grad[i] else None
+                  for i, (g, t) in enumerate(grads)), None, None, None, None)
+
+
+def bam_attention(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Optional[Tensor] = None,
+                  theta_beta: Optional[Tensor] = None, theta_mu: Optional[Tensor] = None,
+                  ssmax_s: Optional[Tensor] = None, ssmax_before_prior: bool = False,
+                  doc_ids: Optional[Tensor] = None, window: Optional[int] = None,
+                  block_size: int = 128, scale: Optional[float] = None) -> Tensor:
+    """Causal attention with the BAM GGD log-prior and SSMax, tiled so no N x N tensor exists.
+
+    q, k, v: (B, H, N, D) of any float dtype; computed in fp32 (fp64 for fp64 inputs), returned in
+    q's dtype. Row i may attend to key j iff j <= i, i - window < j (window counts the token itself)
+    and doc_ids[b, j] == doc_ids[b, i] (documents are contiguous runs of equal ids).
+
+    Prior (theta_alpha, theta_beta given, (H,) each; theta_mu (H,) or None for μ = 0):
+    prior_ij = -exp(θα)·(|j - i - μ| + 1e-5)^θβ with μ = 2·sinh(θμ); θβ is used raw (β < 0 allowed).
+    SSMax (ssmax_s (H,) given): with n_i the number of keys row i may attend to, logits are
+    (q·k·scale + prior)·s·ln n_i, or q·k·scale·s·ln n_i + prior if ssmax_before_prior.
+    scale defaults to 1/sqrt(D). Gradients flow to q, k, v and to every θ / s that requires grad.
+    """
+    if (theta_alpha is None) != (theta_beta is None):
+        raise ValueError("theta_alpha and theta_beta must be given together")
+    if theta_mu is not None and theta_alpha is None:
+        raise ValueError("theta_mu needs theta_alpha and theta_beta")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    N, D = q.shape[-2:]
+    lo = _key_start(doc_ids, window, N, q.device)
+    scale = D ** -0.5 if scale is None else float(scale)
+    return _BAMAttention.apply(q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo,
+                               ssmax_before_prior, block_size, scale)

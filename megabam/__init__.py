@@ -1,0 +1,1 @@
+"""megabam: long-context pretraining with BAM and SWAX."""

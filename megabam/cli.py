@@ -1,0 +1,67 @@
+"""The `megabam` command. Subcommands: train (later issues add data, eval, convert, plan)."""
+import argparse
+import dataclasses
+import os
+import sys
+import typing
+
+from megabam.config import Config, ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megabam", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="pretrain a model from a YAML config",
+                           description="Pretrain a model. Example: megabam train yaml_configs/tiny_cpu.yaml optim.lr=1e-3")
+    train.add_argument("config", help="YAML config file (see yaml_configs/)")
+    train.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of config values")
+    train.add_argument("--resume", action="store_true", help="continue the run in run.output_dir/run.name from its latest checkpoint")
+    train.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning, then exit")
+
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return _train(args)
+    return 2
+
+
+def _train(args) -> int:
+    if args.help_config:
+        print("\n".join(describe_config(Config)))
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"megabam: error: {e}", file=sys.stderr)
+        return 2
+    # Importing DeepSpeed and the trainer costs seconds; only after the config is known to be good.
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from megabam.train.trainer import RunDirError, train
+
+    try:
+        summary = train(cfg, resume=args.resume)
+    except RunDirError as e:
+        print(f"megabam: error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("\n".join(["", "== megabam summary =="] + summary.lines()))
+    return 0
+
+
+def describe_config(cls, prefix: str = "") -> list[str]:
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines += describe_config(hints[f.name], prefix + f.name + ".")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"{prefix + f.name:40s} {default!r:>14}  {f.metadata.get('doc', '')}")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""YAML file + dotted command-line overrides → a validated `Config`.
+
+Every problem is reported as one `ConfigError` naming the file and the dotted key, before any work
+starts. Checking happens in three passes: structure (unknown keys, types), then the cross-field
+rules in `validate`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from megabam.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the file and the key."""
+
+    def __init__(self, source: str, key: str, message: str):
+        super().__init__(f"{source}: {key}: {message}")
+        self.source, self.key = source, key
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read `path` (None = all defaults), apply `key.sub=value` overrides, check and return."""
+    source = str(path) if path is not None else "<defaults>"
+    raw: dict = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(source, "<file>", f"cannot read ({e.strerror})") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(source, "<file>", f"not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(source, "<file>", "the top level must be a mapping of sections")
+    for item in overrides:
+        _apply_override(raw, item, source)
+    config = _build(Config, raw, "", source)
+    validate(config, source)
+    return config
+
+
+def config_to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def save_config(config: Config, path: Path) -> None:
+    """Write the resolved config as YAML (loadable again by `load_config`)."""
+    path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+
+
+def _apply_override(raw: dict, item: str, source: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(source, item, "an override must look like section.key=value")
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(source, key, f"'{part}' is not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError:
+        node[parts[-1]] = value
+
+
+def _build(cls, raw: Any, prefix: str, source: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(source, prefix.rstrip(".") or "<file>", f"expected a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            known = ", ".join(fields)
+            raise ConfigError(source, prefix + str(key), f"unknown key (known here: {known})")
+    values = {}
+    for name in fields:
+        if name in raw:
+            values[name] = _coerce(hints[name], raw[name], prefix + name, source)
+    return cls(**values)
+
+
+def _coerce(tp, value: Any, key: str, source: str):
+    """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".", source)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [t for t in options if t is not type(None)]
+        return _coerce(inner, value, key, source)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(source, key, f"{value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(source, key, f"expected a list, got {value!r}")
+        return [_coerce(inner, v, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(source, key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(source, key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(source, key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(source, key, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config annotation {tp} at {key}")
+
+
+def validate(c: Config, source: str) -> None:
+    """Cross-field rules. Each failure names the offending key."""
+
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(source, key, message)
+
+    m, a = c.model, c.model.attention
+    for key, value in [
+        ("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
+        ("model.n_heads", m.n_heads), ("data.seq_len", c.data.seq_len), ("train.steps", c.train.steps),
+        ("train.micro_batch_size", c.train.micro_batch_size), ("train.grad_accum", c.train.grad_accum),
+        ("model.attention.block_size", a.block_size), ("parallel.tensor", c.parallel.tensor),
+        ("parallel.pipeline", c.parallel.pipeline), ("logging.log_every", c.logging.log_every),
+        ("data.corpus_bytes", c.data.corpus_bytes),
+    ]:
+        require(value >= 1, key, f"must be at least 1, got {value}")
+    require(m.d_model % m.n_heads == 0, "model.n_heads", f"{m.n_heads} does not divide model.d_model={m.d_model}")
+    head_dim = m.d_model // m.n_heads
+    require(a.positional != "rope" or head_dim % 2 == 0, "model.attention.positional",
+            f"rope needs an even head dimension, got {head_dim}")
+    require(m.ffn_hidden is None or m.ffn_hidden >= 1, "model.ffn_hidden", f"must be at least 1, got {m.ffn_hidden}")
+    require(len(m.layer_pattern) >= 1, "model.layer_pattern", "must name at least one mixer")
+    from megabam.model.transformer import MIXERS  # the registry is the one source of mixer names
+
+    for i, name in enumerate(m.layer_pattern):
+        require(name in MIXERS, f"model.layer_pattern[{i}]", f"unknown mixer {name!r} (known: {', '.join(MIXERS)})")
+    require(m.n_layers % len(m.layer_pattern) == 0, "model.n_layers",
+            f"{m.n_layers} is not a multiple of the layer_pattern length {len(m.layer_pattern)}")
+    require(a.window is None or 1 <= a.window <= c.data.seq_len, "model.attention.window",
+            f"{a.window} must lie in 1..data.seq_len={c.data.seq_len}")
+    lo_hi = a.bam.beta_range
+    require(len(lo_hi) == 2 and lo_hi[0] <= lo_hi[1], "model.attention.bam.beta_range",
+            f"must be [lowest, highest], got {lo_hi}")
+    require(0.0 <= a.bam.flat_fraction <= 1.0, "model.attention.bam.flat_fraction",
+            f"must lie in [0, 1], got {a.bam.flat_fraction}")
+    require(c.optim.lr > 0, "optim.lr", f"must be positive, got {c.optim.lr}")
+    require(c.optim.weight_decay >= 0, "optim.weight_decay", f"must be non-negative, got {c.optim.weight_decay}")
+    require(len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas), "optim.betas",
+            f"must be two values in [0, 1), got {c.optim.betas}")
+    require(c.optim.prior_lr_mult >= 0, "optim.prior_lr_mult", f"must be non-negative, got {c.optim.prior_lr_mult}")
+    require(c.optim.ssmax_lr_mult >= 0, "optim.ssmax_lr_mult", f"must be non-negative, got {c.optim.ssmax_lr_mult}")
+    require(c.optim.grad_clip >= 0, "optim.grad_clip", f"must be non-negative, got {c.optim.grad_clip}")
+    require(0 <= c.schedule.warmup_steps <= c.train.steps, "schedule.warmup_steps",
+            f"{c.schedule.warmup_steps} must lie in 0..train.steps={c.train.steps}")
+    require(0 <= c.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio", f"must lie in [0, 1], got {c.schedule.min_lr_ratio}")
+    require(0 < c.schedule.decay_fraction <= 1, "schedule.decay_fraction",
+            f"must lie in (0, 1], got {c.schedule.decay_fraction}")
+    require(0 <= c.data.passkey_fraction < 1, "data.passkey_fraction", f"must lie in [0, 1), got {c.data.passkey_fraction}")
+    require(0 < c.data.val_fraction < 1, "data.val_fraction", f"must lie in (0, 1), got {c.data.val_fraction}")
+    require(c.data.num_workers >= 0, "data.num_workers", f"must be non-negative, got {c.data.num_workers}")
+    require(c.parallel.zero_stage in (0, 1, 2), "parallel.zero_stage", f"must be 0, 1 or 2, got {c.parallel.zero_stage}")
+    # Tensor and pipeline parallelism arrive with their own issue; refuse them here rather than ignore them.
+    require(c.parallel.tensor == 1, "parallel.tensor", "tensor parallelism is not available yet; use 1")
+    require(c.parallel.pipeline == 1, "parallel.pipeline", "pipeline parallelism is not available yet; use 1")
+    require(c.train.eval_every >= 0, "train.eval_every", f"must be non-negative, got {c.train.eval_every}")
+    require(c.train.eval_batches >= 1, "train.eval_batches", f"must be at least 1, got {c.train.eval_batches}")
+    require(c.checkpoint.every >= 0, "checkpoint.every", f"must be non-negative, got {c.checkpoint.every}")
+    require(c.logging.peak_tflops is None or c.logging.peak_tflops > 0, "logging.peak_tflops",
+            f"must be positive, got {c.logging.peak_tflops}")
+    require(c.run.name != "" and "/" not in c.run.name, "run.name", f"must be a plain directory name, got {c.run.name!r}")

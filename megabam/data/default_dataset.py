@@ -1,0 +1,115 @@
+"""The trunk's default training data, built offline on any machine and cached.
+
+Python standard-library sources (real text every Python install ships) mixed with synthetic
+passkey documents, tokenized by a sentencepiece model trained on the same sources, packed and
+written as MDS shards.
+"""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from megabam.data.corpus import python_stdlib_documents
+from megabam.data.packing import pack_documents
+from megabam.data.passkey import passkey_training_tokens
+from megabam.data.shards import write_mds
+from megabam.data.tokenizer import train_tokenizer
+
+# Bump when the recipe changes, so caches built by older code are not reused.
+_RECIPE_VERSION = 1
+
+
+@dataclass
+class DefaultDataset:
+    """Where a built default dataset lives."""
+
+    train_dir: Path
+    val_dir: Path
+    tokenizer_path: Path
+
+
+def build_default_dataset(
+    cache_root: Path,
+    *,
+    sample_len: int,
+    vocab_size: int,
+    corpus_bytes: int,
+    passkey_fraction: float,
+    val_fraction: float,
+    seed: int,
+) -> DefaultDataset:
+    """Build (or reuse from ``cache_root``) the default dataset.
+
+    The cache key hashes the arguments and the Python version (the corpus is its stdlib). The
+    dataset is built in a temporary directory and renamed into place; a concurrent builder that
+    loses the rename uses the winner's copy. Passkey documents are ``sample_len - 1`` tokens long
+    (a sample's worth with their eos), numerous enough to fill about ``passkey_fraction`` of the
+    samples. Samples are split by ``val_fraction`` (at least one validation sample).
+    """
+    if not 0.0 <= passkey_fraction < 1.0:
+        raise ValueError(f"passkey_fraction must lie in [0, 1), got {passkey_fraction}")
+    args = dict(
+        sample_len=sample_len,
+        vocab_size=vocab_size,
+        corpus_bytes=corpus_bytes,
+        passkey_fraction=passkey_fraction,
+        val_fraction=val_fraction,
+        seed=seed,
+        python=sys.version,
+        recipe=_RECIPE_VERSION,
+    )
+    digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:16]
+    final = Path(cache_root) / f"default-{digest}"
+    if not final.exists():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex}"
+        try:
+            _build(tmp, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed)
+            os.rename(tmp, final)
+        except OSError:
+            if not final.exists():  # a failure of our own, not a lost race
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return DefaultDataset(final / "train", final / "val", final / "tokenizer.model")
+
+
+def _build(out, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed):
+    start = time.perf_counter()
+
+    def progress(message):
+        print(f"[default dataset {time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr)
+
+    out.mkdir()
+    texts = python_stdlib_documents(corpus_bytes)
+    progress(f"{len(texts)} stdlib documents, {sum(map(len, texts))} characters")
+    tokenizer = train_tokenizer(texts, out / "tokenizer.model", vocab_size)
+    progress(f"tokenizer trained, {tokenizer.vocab_size} pieces")
+    docs = tokenizer.encode_batch(texts)
+    text_tokens = sum(len(d) + 1 for d in docs)
+    progress(f"{text_tokens} text tokens")
+
+    # Each passkey document fills one sample with its eos: k of them make passkey_fraction of the
+    # samples when k / (text_tokens / sample_len + k) = passkey_fraction.
+    rng = random.Random(seed)
+    n_passkey = round(passkey_fraction * text_tokens / sample_len / (1.0 - passkey_fraction))
+    docs += [passkey_training_tokens(tokenizer, sample_len - 1, rng) for _ in range(n_passkey)]
+    rng.shuffle(docs)
+    progress(f"{n_passkey} passkey documents")
+
+    samples = list(pack_documents(docs, sample_len, tokenizer.eos_id))
+    n_val = max(1, round(val_fraction * len(samples)))
+    if n_val >= len(samples):
+        raise ValueError(f"{len(samples)} samples leave none for training after {n_val} for val")
+    # Uncompressed: streaming decompresses local zstd shards into the dataset directory on first
+    # read, which would make the shared cache mutable (and racy between concurrent jobs).
+    n_train = write_mds(samples[:-n_val], out / "train", compression=None)
+    write_mds(samples[-n_val:], out / "val", compression=None)
+    progress(f"{n_train} train and {n_val} val samples of {sample_len} tokens written")

@@ -1,0 +1,4 @@
+"""The decoder and its layer types (pure PyTorch, no parallel code)."""
+from megabam.model.transformer import MIXERS, Decoder
+
+__all__ = ["Decoder", "MIXERS"]

@@ -1,0 +1,87 @@
+"""Positional schemes: the GGD-BAM prior parameters, ALiBi slopes, RoPE and sinusoidal tables.
+
+The prior itself, −exp(θ_α)·(|j−i−μ|+ε)^θ_β, is evaluated inside the attention op per tile
+(kernels/bam_attention.py); these modules only own its per-head parameters.
+"""
+import math
+
+import torch
+from torch import nn
+
+from megabam.config.schema import BamConfig
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """The ALiBi paper's geometric slopes 2^(−8h/H), h = 1..H (interleaved for non-powers of two)."""
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (h + 1) for h in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        slopes = power_of_two_slopes(n_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(n_heads))
+        slopes = power_of_two_slopes(closest) + power_of_two_slopes(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class BamPrior(nn.Module):
+    """Per-head θ_α, θ_β, θ_μ of the generalized-Gaussian prior (one instance per layer, or shared)."""
+
+    def __init__(self, n_heads: int, cfg: BamConfig):
+        super().__init__()
+        log_slopes = alibi_slopes(n_heads).log()
+        if cfg.init == "alibi":
+            theta_alpha, theta_beta = log_slopes, torch.ones(n_heads)
+        elif cfg.init == "nope":
+            theta_alpha, theta_beta = torch.zeros(n_heads), torch.zeros(n_heads)
+        elif cfg.init == "spread":
+            theta_alpha, theta_beta = log_slopes, torch.linspace(cfg.beta_range[0], cfg.beta_range[1], n_heads)
+        else:  # mixed: the first heads ALiBi-like for local context, the rest flat for retrieval
+            n_flat = round(cfg.flat_fraction * n_heads)
+            local = n_heads - n_flat
+            theta_alpha = torch.cat([log_slopes[:local], torch.zeros(n_flat)])
+            theta_beta = torch.cat([torch.ones(local), torch.zeros(n_flat)])
+        self.theta_alpha = nn.Parameter(theta_alpha.clone())
+        self.theta_beta = nn.Parameter(theta_beta.clone())
+        self.theta_mu = nn.Parameter(torch.zeros(n_heads), requires_grad=cfg.learn_mu)
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.theta_alpha, self.theta_beta, self.theta_mu
+
+
+class AlibiPrior(nn.Module):
+    """ALiBi as the β=1 member of the same family, with fixed slopes (buffers, never trained)."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.register_buffer("theta_alpha", alibi_slopes(n_heads).log(), persistent=False)
+        self.register_buffer("theta_beta", torch.ones(n_heads), persistent=False)
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return self.theta_alpha, self.theta_beta, None
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of a (B, H, N, D) tensor by position-dependent angles."""
+    x32 = x.float()
+    even, odd = x32[..., 0::2], x32[..., 1::2]
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+def sinusoidal_table(seq_len: int, dim: int, device=None) -> torch.Tensor:
+    """The original Transformer's absolute position embedding, added to the token embeddings."""
+    position = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None]
+    inv_freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(seq_len, dim, device=device)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq[: dim // 2])
+    return table

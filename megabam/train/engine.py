@@ -1,0 +1,62 @@
+"""Process-group start-up and the DeepSpeed engine around the model."""
+import os
+import socket
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from megabam.config.schema import Config
+from megabam.model import Decoder
+from megabam.train.optim import build_optimizer, build_scheduler
+
+
+def init_distributed() -> None:
+    """Join the process group that torchrun / the deepspeed launcher describe in the environment.
+
+    A plain `megabam train` is given a one-rank world on loopback, so the same DeepSpeed path runs
+    with one process as with many. All five variables are set together: DeepSpeed falls back to MPI
+    discovery (and replaces MASTER_ADDR) when any is missing.
+    """
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])  # streaming reads it
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_config(cfg: Config) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "gradient_accumulation_steps": cfg.train.grad_accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "bf16": {"enabled": cfg.train.precision == "bf16"},
+        # megabam's AdamW groups carry per-group lr multipliers; ZeRO shards any torch optimizer.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(cfg: Config):
+    """Model (seeded), AdamW groups and schedule, wrapped by `deepspeed.initialize`."""
+    torch.manual_seed(cfg.run.seed)
+    model = Decoder(cfg.model)
+    optimizer = build_optimizer(model, cfg.optim)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        # A callable, so the schedule wraps the optimizer DeepSpeed actually steps (ZeRO wraps ours).
+        lr_scheduler=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.steps),
+        config=deepspeed_config(cfg),
+    )
+    return engine, scheduler

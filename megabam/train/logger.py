@@ -1,0 +1,99 @@
+"""What a run reports: a progress bar, metrics.jsonl, wandb (offline unless configured), per-head
+BAM/SSMax parameters, and the MFU estimate. Only rank 0 reports; other ranks get a silent logger."""
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from megabam.config.schema import Config, LoggingConfig
+
+# Dense bf16 peak of one device, for the MFU estimate when logging.peak_tflops is not set.
+KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def peak_tflops(cfg: LoggingConfig) -> Optional[float]:
+    if cfg.peak_tflops is not None:
+        return cfg.peak_tflops
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        return next((v for k, v in KNOWN_PEAK_TFLOPS.items() if k in name), None)
+    return None
+
+
+def head_parameters(model: nn.Module) -> dict[str, float]:
+    """Each head's prior β = θ_β and α (paper form: exp(θ_α) = α^−β, logged as ln α = −θ_α/θ_β,
+    undefined where β = 0) and its SSMax s, keyed by layer and head."""
+    out: dict[str, float] = {}
+    for layer, block in enumerate(model.blocks):
+        mixer = block.mixer
+        prior = getattr(mixer, "prior", None)
+        if prior is not None and isinstance(getattr(prior, "theta_beta", None), nn.Parameter):
+            for h, (ta, tb) in enumerate(zip(prior.theta_alpha.tolist(), prior.theta_beta.tolist())):
+                out[f"bam/layer{layer}/head{h}/beta"] = tb
+                out[f"bam/layer{layer}/head{h}/ln_alpha"] = -ta / tb if abs(tb) > 1e-6 else math.nan
+        if getattr(mixer, "ssmax_s", None) is not None:
+            for h, s in enumerate(mixer.ssmax_s.tolist()):
+                out[f"ssmax/layer{layer}/head{h}/s"] = s
+    return out
+
+
+class RunLogger:
+    def __init__(self, cfg: Config, run_dir: Path, start_step: int, wandb_id: Optional[str], enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+        self.wandb_run = None
+        if not enabled:
+            return
+        self.metrics_path = run_dir / "metrics.jsonl"
+        if cfg.logging.progress_bar:
+            self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        if cfg.logging.wandb_mode != "disabled":
+            self.wandb_run = _start_wandb(cfg, run_dir, wandb_id)
+
+    @property
+    def wandb_id(self) -> Optional[str]:
+        return self.wandb_run.id if self.wandb_run is not None else None
+
+    def step(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}", refresh=False)
+            self.bar.update(1)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({"step": step, **{k: v for k, v in metrics.items() if "/" not in k}}) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+
+    def write(self, text: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _start_wandb(cfg: Config, run_dir: Path, wandb_id: Optional[str]):
+    import wandb  # imported here: it starts a service process, not needed by silent ranks
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return wandb.init(
+        project=cfg.logging.wandb_project,
+        name=cfg.run.name,
+        dir=str(run_dir),
+        mode=cfg.logging.wandb_mode,
+        config=dataclasses.asdict(cfg),
+        id=wandb_id,
+        resume="allow" if wandb_id else None,
+    )

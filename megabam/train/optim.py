@@ -1,0 +1,59 @@
+"""AdamW parameter groups and the learning-rate schedules."""
+import math
+
+import torch
+from torch import nn
+
+from megabam.config.schema import OptimConfig, ScheduleConfig
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Four groups: decayed matrices; undecayed norms/biases; the BAM prior θ's and the SSMax s, each
+    undecayed with its own learning-rate multiplier (a prior or s pulled toward 0 by weight decay
+    would bias every head toward NoPE / a flat softmax)."""
+    groups = {
+        "decay": {"params": [], "weight_decay": cfg.weight_decay, "lr_mult": 1.0},
+        "no_decay": {"params": [], "weight_decay": 0.0, "lr_mult": 1.0},
+        "prior": {"params": [], "weight_decay": 0.0, "lr_mult": cfg.prior_lr_mult},
+        "ssmax": {"params": [], "weight_decay": 0.0, "lr_mult": cfg.ssmax_lr_mult},
+    }
+    for name, p in model.named_parameters():  # shared parameters are listed once
+        if not p.requires_grad:
+            continue
+        if ".prior." in name:
+            key = "prior"
+        elif name.endswith("ssmax_s"):
+            key = "ssmax"
+        elif p.ndim >= 2:
+            key = "decay"
+        else:
+            key = "no_decay"
+        groups[key]["params"].append(p)
+    return [dict(g, name=k, lr=cfg.lr * g["lr_mult"]) for k, g in groups.items() if g["params"]]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def lr_factor(step: int, cfg: ScheduleConfig, total_steps: int) -> float:
+    """Multiplier of each group's peak learning rate for optimizer step `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.kind == "constant":
+        return 1.0
+    if cfg.kind == "cosine":
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    # wsd: warmup, stable at the peak, then a linear decay over the last decay_fraction of the steps
+    decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    progress = (step - decay_start + 1) / decay_steps
+    return 1.0 - (1 - cfg.min_lr_ratio) * min(progress, 1.0)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int):
+    """LambdaLR scales every group's own base lr, so the prior/SSMax multipliers survive."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))

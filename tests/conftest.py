@@ -1,0 +1,24 @@
+"""Test-wide environment: CPU DeepSpeed, offline wandb, a per-session data cache, clean /dev/shm."""
+import glob
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    """One default-dataset cache shared by every training test of the session."""
+    return tmp_path_factory.mktemp("megabam_cache")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _remove_deepspeed_shm_buffers():
+    """DeepSpeed's CPU all-reduce leaves a shared-memory buffer per rank and port; remove ours."""
+    before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    yield
+    for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
+        os.remove(path)

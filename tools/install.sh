@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Install megabam and everything it needs into ./.venv (or into $MEGABAM_PYTHON's environment).
+#
+# Why not a plain `pip install -e .`:
+#  * an unpinned torch resolves to a multi-GB CUDA build; on a CPU box we pin the local CPU wheel,
+#    and where torch is already installed (a GPU cluster) we keep that torch and pin it instead;
+#  * mosaicml-streaming requires torchvision, which pulls its own torch build and cannot load beside
+#    the CPU wheel; megabam never uses streaming's vision part, so streaming goes in with --no-deps
+#    (megabam/data/streaming_import.py explains the matching import shim);
+#  * DeepSpeed builds from an sdist that imports torch, so it must see the environment's torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+if [[ -n "${MEGABAM_PYTHON:-}" ]]; then
+  PY=$MEGABAM_PYTHON
+else
+  [[ -x .venv/bin/python ]] || python3 -m venv .venv
+  PY=$ROOT/.venv/bin/python
+fi
+PIP=("$PY" -m pip install --disable-pip-version-check -q)
+
+if "$PY" -c "import torch" 2>/dev/null; then
+  TORCH_PIN="torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
+else
+  TORCH_PIN="torch==2.13.0"
+  "${PIP[@]}" "$TORCH_PIN"
+fi
+mkdir -p .cache
+CONSTRAINTS=$ROOT/.cache/constraints.txt
+echo "$TORCH_PIN" > "$CONSTRAINTS"
+export PIP_CONSTRAINT=$CONSTRAINTS
+
+if ! command -v mpicc >/dev/null; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenmpi-dev openmpi-bin >/dev/null
+  else
+    echo "install.sh: mpi4py needs an MPI (mpicc not found); install OpenMPI, e.g. apt-get install libopenmpi-dev openmpi-bin" >&2
+    exit 1
+  fi
+fi
+
+"${PIP[@]}" -r tools/requirements-cpu.txt
+"${PIP[@]}" --no-deps "mosaicml-streaming==0.13.0"
+"$PY" -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation "deepspeed>=0.16,<0.20"
+"${PIP[@]}" --no-deps --no-build-isolation -e .
+echo "install.sh: megabam installed for $PY"
