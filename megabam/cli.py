@@ -43,7 +43,7 @@ def _train(args) -> int:
 
     try:
         summary = train(cfg, resume=args.resume)
-    except RunDirError as e:
+    except (RunDirError, ConfigError) as e:
         print(f"megabam: error: {e}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:

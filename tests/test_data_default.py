@@ -260,19 +260,21 @@ def test_build_default_dataset_and_cache(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [ds.train_dir.parent.name]  # no temp dirs
 
     streaming = import_streaming()
-    stream = []
-    n_samples = {}
+    n_samples, n_passkey = {}, 0
     for split, path in (("train", ds.train_dir), ("val", ds.val_dir)):
         local = streaming.LocalDataset(local=str(path))
         n_samples[split] = len(local)
         for i in range(len(local)):
             sample = local[i]
             assert sample["tokens"].shape == (257,) and sample["doc_starts"][0] == 0
-            stream.extend(sample["tokens"].tolist())
+            text = tok.decode(sample["tokens"].tolist())
+            if "What is the pass key? The pass key is" in text:
+                # a passkey document is a whole sample: instruction first, its eos last, nothing else
+                n_passkey += 1
+                assert text.startswith("There is an important info hidden")
+                assert sample["doc_starts"].tolist() == [0] and sample["tokens"][-1] == tok.eos_id
     total = n_samples["train"] + n_samples["val"]
     assert n_samples["val"] >= 1 and abs(n_samples["val"] / total - 0.05) < 0.02
-    # Train and val are consecutive runs of one packed stream, so no passkey is cut in two.
-    n_passkey = tok.decode(stream).count("What is the pass key? The pass key is")
     assert abs(n_passkey / total - 0.2) < 0.03
 
     start = time.perf_counter()

@@ -190,6 +190,9 @@ def validate(c: Config, source: str) -> None:
     require(c.parallel.pipeline == 1, "parallel.pipeline", "pipeline parallelism is not available yet; use 1")
     require(c.train.eval_every >= 0, "train.eval_every", f"must be non-negative, got {c.train.eval_every}")
     require(c.train.eval_batches >= 1, "train.eval_batches", f"must be at least 1, got {c.train.eval_batches}")
+    require(c.eval.passkey_samples >= 0, "eval.passkey_samples", f"must be non-negative, got {c.eval.passkey_samples}")
+    for i, n in enumerate(c.eval.passkey_lengths):
+        require(n >= 1, f"eval.passkey_lengths[{i}]", f"must be at least 1, got {n}")
     require(c.checkpoint.every >= 0, "checkpoint.every", f"must be non-negative, got {c.checkpoint.every}")
     require(c.logging.peak_tflops is None or c.logging.peak_tflops > 0, "logging.peak_tflops",
             f"must be positive, got {c.logging.peak_tflops}")

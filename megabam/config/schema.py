@@ -124,6 +124,12 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    passkey_samples: int = doc(16, "Passkey prompts scored per length at the end of training (0 = off).")
+    passkey_lengths: list[int] = doc([], "Passkey prompt lengths in tokens; empty = data.seq_len. Longer = extrapolation.")
+
+
+@dataclass
 class CheckpointConfig:
     every: int = doc(100, "Save a checkpoint every this many steps (and always at the end); 0 = only at the end.")
 
@@ -150,5 +156,6 @@ class Config:
     optim: OptimConfig = doc(OptimConfig, "Optimizer.")
     schedule: ScheduleConfig = doc(ScheduleConfig, "Learning-rate schedule.")
     train: TrainConfig = doc(TrainConfig, "Training loop.")
+    eval: EvalConfig = doc(EvalConfig, "Evaluation at the end of training.")
     checkpoint: CheckpointConfig = doc(CheckpointConfig, "Checkpointing.")
     logging: LoggingConfig = doc(LoggingConfig, "Logging.")

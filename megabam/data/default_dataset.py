@@ -16,14 +16,16 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from megabam.data.corpus import python_stdlib_documents
-from megabam.data.packing import pack_documents
+from megabam.data.packing import PackedSample, pack_documents
 from megabam.data.passkey import passkey_training_tokens
 from megabam.data.shards import write_mds
 from megabam.data.tokenizer import train_tokenizer
 
 # Bump when the recipe changes, so caches built by older code are not reused.
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2
 
 
 @dataclass
@@ -49,9 +51,10 @@ def build_default_dataset(
 
     The cache key hashes the arguments and the Python version (the corpus is its stdlib). The
     dataset is built in a temporary directory and renamed into place; a concurrent builder that
-    loses the rename uses the winner's copy. Passkey documents are ``sample_len - 1`` tokens long
-    (a sample's worth with their eos), numerous enough to fill about ``passkey_fraction`` of the
-    samples. Samples are split by ``val_fraction`` (at least one validation sample).
+    loses the rename uses the winner's copy. Each passkey document fills one whole sample with its
+    eos (never split across samples, so needle and question are always seen together); they make
+    up about ``passkey_fraction`` of the samples. Samples are split by ``val_fraction`` (at least
+    one validation sample).
     """
     if not 0.0 <= passkey_fraction < 1.0:
         raise ValueError(f"passkey_fraction must lie in [0, 1), got {passkey_fraction}")
@@ -96,15 +99,17 @@ def _build(out, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_frac
     text_tokens = sum(len(d) + 1 for d in docs)
     progress(f"{text_tokens} text tokens")
 
-    # Each passkey document fills one sample with its eos: k of them make passkey_fraction of the
-    # samples when k / (text_tokens / sample_len + k) = passkey_fraction.
-    rng = random.Random(seed)
-    n_passkey = round(passkey_fraction * text_tokens / sample_len / (1.0 - passkey_fraction))
-    docs += [passkey_training_tokens(tokenizer, sample_len - 1, rng) for _ in range(n_passkey)]
-    rng.shuffle(docs)
-    progress(f"{n_passkey} passkey documents")
-
+    # Text is packed as one stream; each passkey document is a sample of its own, k of them making
+    # passkey_fraction of the samples: k / (n_text + k) = passkey_fraction.
     samples = list(pack_documents(docs, sample_len, tokenizer.eos_id))
+    rng = random.Random(seed)
+    n_passkey = round(passkey_fraction * len(samples) / (1.0 - passkey_fraction))
+    for _ in range(n_passkey):
+        tokens = passkey_training_tokens(tokenizer, sample_len - 1, rng) + [tokenizer.eos_id]
+        samples.append(PackedSample(np.array(tokens, dtype=np.int32), np.zeros(1, dtype=np.int32)))
+    rng.shuffle(samples)
+    progress(f"{n_passkey} passkey samples")
+
     n_val = max(1, round(val_fraction * len(samples)))
     if n_val >= len(samples):
         raise ValueError(f"{len(samples)} samples leave none for training after {n_val} for val")

@@ -11,9 +11,12 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megabam.config import Config, save_config
+from megabam.config import Config, ConfigError, save_config
 from megabam.data.default_dataset import build_default_dataset
 from megabam.data.loader import build_loader
+from megabam.data.passkey import passkey_sample
+from megabam.data.tokenizer import Tokenizer
+from megabam.eval.passkey import passkey_accuracy
 from megabam.train import checkpoint
 from megabam.train.engine import build_engine, init_distributed
 from megabam.train.logger import RunLogger, head_parameters, peak_tflops
@@ -37,6 +40,7 @@ class Summary:
     params: int
     checkpoint: str
     loss_plot: str
+    passkey: dict[int, float]  # prompt length → share of keys retrieved
 
     def lines(self) -> list[str]:
         return [
@@ -46,6 +50,7 @@ class Summary:
             f"wall time       {self.wall_s:.1f} s   ({self.tokens_per_s:,.0f} tokens/s)",
             f"train loss      {self.final_loss:.4f} (mean of the last logged steps)",
             f"val loss        {self.val_loss:.4f}   (perplexity {math.exp(min(self.val_loss, 50)):.2f})",
+            *(f"passkey @ {n:<6}  {acc:.0%} retrieved" for n, acc in self.passkey.items()),
             f"checkpoint      {self.checkpoint}",
             f"loss plot       {self.loss_plot}",
         ]
@@ -75,11 +80,15 @@ def train(cfg: Config, resume: bool = False) -> Summary:
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
 
     data = _build_data(cfg, rank)
+    tokenizer = Tokenizer(data.tokenizer_path)
+    passkey_lengths = cfg.eval.passkey_lengths or [cfg.data.seq_len]
+    _check_passkey_lengths(tokenizer, passkey_lengths if cfg.eval.passkey_samples else [])
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
         shutil.copyfile(data.tokenizer_path, run_dir / "tokenizer.model")
     engine, _ = build_engine(cfg)
+    checkpoint.use_weights_only_loading(engine)
     train_loader = build_loader(data.train_dir, micro_batch_size=cfg.train.micro_batch_size, shuffle=True,
                                 seed=cfg.run.seed, num_workers=cfg.data.num_workers)
     val_loader = build_loader(data.val_dir, micro_batch_size=cfg.train.micro_batch_size, shuffle=False,
@@ -99,6 +108,7 @@ def train(cfg: Config, resume: bool = False) -> Summary:
     peak = peak_tflops(cfg.logging)
     batches = _endless(train_loader)
     recent_losses: list[float] = []
+    interval_losses: list[float] = []
     val_loss = math.nan
     t_start = time.perf_counter()
     for step in range(start_step, cfg.train.steps):
@@ -118,15 +128,18 @@ def train(cfg: Config, resume: bool = False) -> Summary:
         done = step + 1
         log.step(done, loss_value, tokens_per_s, lr)
         recent_losses = (recent_losses + [loss_value])[-10:]
+        interval_losses.append(loss_value)
 
         if done % cfg.logging.log_every == 0 or done == cfg.train.steps:
-            metrics = {"loss": loss_value, "lr": lr, "grad_norm": float(engine.get_global_grad_norm() or 0.0),
+            # the mean over the interval: one step's loss swings with its batch's mix of documents
+            metrics = {"loss": sum(interval_losses) / len(interval_losses), "lr": lr, "grad_norm": float(engine.get_global_grad_norm() or 0.0),
                        "tokens_per_s": tokens_per_s, "tokens": done * tokens_per_step,
                        "tflops_per_device": tokens_per_s * flops_per_token / world / 1e12}
             if peak:
                 metrics["mfu"] = metrics["tflops_per_device"] / peak
             metrics.update(head_parameters(model))
             log.log(done, metrics)
+            interval_losses = []
         if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
             val_loss = evaluate(engine, val_loader, cfg.train.eval_batches, device)
             log.log(done, {"val_loss": val_loss})
@@ -135,6 +148,12 @@ def train(cfg: Config, resume: bool = False) -> Summary:
                     "config": asdict(cfg), "tokenizer": str(run_dir / "tokenizer.model"), "wandb_id": log.wandb_id}
             checkpoint.save(engine, run_dir, done, meta)
     wall = time.perf_counter() - t_start
+    passkey = {}
+    if cfg.eval.passkey_samples and rank == 0:
+        for n in passkey_lengths:
+            passkey[n] = passkey_accuracy(model, tokenizer, n, cfg.eval.passkey_samples, cfg.run.seed, device)
+        log.log(cfg.train.steps, {f"passkey_{n}": acc for n, acc in passkey.items()})
+    dist.barrier()
 
     steps_run = cfg.train.steps - start_step
     summary = Summary(
@@ -142,7 +161,7 @@ def train(cfg: Config, resume: bool = False) -> Summary:
         tokens_per_s=steps_run * tokens_per_step / wall if steps_run else 0.0,
         final_loss=sum(recent_losses) / len(recent_losses) if recent_losses else math.nan, val_loss=val_loss,
         params=model.num_params(), checkpoint=str(checkpoint.checkpoint_root(run_dir) / str(checkpoint.latest_tag(run_dir))),
-        loss_plot=str(run_dir / "loss.png"),
+        loss_plot=str(run_dir / "loss.png"), passkey=passkey,
     )
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
@@ -164,6 +183,15 @@ def _build_data(cfg: Config, rank: int):
     data = build() if rank == 0 else None
     dist.barrier()
     return data if data is not None else build()
+
+
+def _check_passkey_lengths(tokenizer: Tokenizer, lengths: list[int]) -> None:
+    """Refuse, before training, passkey lengths too short for the prompt under this tokenizer."""
+    for i, n in enumerate(lengths):
+        try:
+            passkey_sample(tokenizer, n - 8, 0.0, "12345")  # 8: room for the key's tokens
+        except ValueError:
+            raise ConfigError("<config>", f"eval.passkey_lengths[{i}]", f"{n} tokens cannot hold a passkey prompt") from None
 
 
 def _endless(loader) -> Iterator[dict]:

@@ -1,0 +1,32 @@
+"""Passkey retrieval score (the BAM paper's protocol, megabam/data/passkey.py builds the prompts).
+
+A prompt counts as retrieved when the model's argmax reproduces every token of the key. One forward
+pass over prompt + key scores all key positions at once (teacher forcing): if every argmax matches,
+greedy decoding would have produced exactly the key.
+"""
+import random
+
+import torch
+
+from megabam.data.passkey import passkey_sample, random_key
+from megabam.data.tokenizer import Tokenizer
+
+
+@torch.no_grad()
+def passkey_accuracy(model, tokenizer: Tokenizer, n_tokens: int, n_samples: int, seed: int, device) -> float:
+    """Share of `n_samples` prompts of `n_tokens` tokens (needle depths spread evenly over 0..1)
+    whose key the model reproduces."""
+    rng = random.Random(seed)
+    was_training = model.training
+    model.eval()
+    hits = 0
+    for i in range(n_samples):
+        key = random_key(rng)
+        answer_len = len(tokenizer.encode(f" {key}"))
+        sample = passkey_sample(tokenizer, n_tokens - answer_len, i / max(1, n_samples - 1), key)
+        ids = torch.tensor([sample.prompt_ids + sample.answer_ids], device=device)
+        logits = model(ids[:, :-1])
+        predicted = logits[0, -len(sample.answer_ids):].argmax(-1)
+        hits += int(predicted.tolist() == sample.answer_ids)
+    model.train(was_training)
+    return hits / n_samples
