@@ -1,4 +1,4 @@
-"""The `megabam` command. Subcommands: train (later issues add data, eval, convert, plan)."""
+"""The `megabam` command. Subcommands: train, data (later issues add eval, convert, plan)."""
 import argparse
 import dataclasses
 import os
@@ -6,6 +6,12 @@ import sys
 import typing
 
 from megabam.config import Config, ConfigError, load_config
+from megabam.data.cli import add_data_parser, run_data
+
+# Exit codes (the launch scripts act on them): 0 done; 2 bad input (config, run directory, data);
+# 3 too many consecutive non-finite steps; 75 preempted by SIGTERM/SIGUSR1 after a checkpoint (requeue).
+EXIT_BAD_INPUT = 2
+EXIT_BAD_STEPS = 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,12 +22,18 @@ def main(argv: list[str] | None = None) -> int:
                            description="Pretrain a model. Example: megabam train yaml_configs/tiny_cpu.yaml optim.lr=1e-3")
     train.add_argument("config", help="YAML config file (see yaml_configs/)")
     train.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of config values")
-    train.add_argument("--resume", action="store_true", help="continue the run in run.output_dir/run.name from its latest checkpoint")
+    train.add_argument("--resume", action="store_true",
+                       help="insist on continuing from a checkpoint (a run directory with checkpoints is resumed anyway)")
+    train.add_argument("--fresh", action="store_true",
+                       help="start a new run even if run.output_dir/run.name holds one (in name-2, name-3, ...)")
     train.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning, then exit")
+    add_data_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)
+    if args.command == "data":
+        return run_data(args)
     return 2
 
 
@@ -33,19 +45,26 @@ def _train(args) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"megabam: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     # Importing DeepSpeed and the trainer costs seconds; only after the config is known to be good.
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from megabam.train.trainer import RunDirError, train
+    from megabam.train.preemption import EXIT_PREEMPTED, Preempted
+    from megabam.train.trainer import RunDirError, TooManyBadSteps, train
 
     try:
-        summary = train(cfg, resume=args.resume)
+        summary = train(cfg, fresh=args.fresh, resume=args.resume)
     except (RunDirError, ConfigError) as e:
         print(f"megabam: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except TooManyBadSteps as e:
+        print(f"megabam: error: {e}", file=sys.stderr)
+        return EXIT_BAD_STEPS
+    except Preempted as e:
+        print(f"megabam: preempted after step {e.args[0]}; checkpoint saved, exit {EXIT_PREEMPTED} (requeue)", file=sys.stderr)
+        return EXIT_PREEMPTED
     if int(os.environ.get("RANK", "0")) == 0:
         print("\n".join(["", "== megabam summary =="] + summary.lines()))
     return 0

@@ -7,6 +7,7 @@ import yaml
 from megabam.config import ConfigError, load_config, save_config
 
 CONFIGS = sorted(Path(__file__).parent.parent.joinpath("yaml_configs").glob("*.yaml"))
+TINY = next(p for p in CONFIGS if p.name == "tiny_cpu.yaml")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -15,7 +16,7 @@ def test_shipped_configs_load(path):
 
 
 def test_overrides_apply_with_yaml_types(tmp_path):
-    cfg = load_config(CONFIGS[0], ["optim.lr=1e-3", "model.attention.window=64", "logging.peak_tflops=null",
+    cfg = load_config(TINY, ["optim.lr=1e-3", "model.attention.window=64", "logging.peak_tflops=null",
                                    "model.layer_pattern=[attention, attention]"])
     assert cfg.optim.lr == 1e-3
     assert cfg.model.attention.window == 64
@@ -24,7 +25,7 @@ def test_overrides_apply_with_yaml_types(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config(CONFIGS[0], ["train.steps=70"])
+    cfg = load_config(TINY, ["train.steps=70"])
     save_config(cfg, tmp_path / "resolved.yaml")
     assert load_config(tmp_path / "resolved.yaml") == cfg
 
@@ -72,9 +73,9 @@ def test_bad_config_names_key_and_file(tmp_path, data, key):
 
 def test_bad_override_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"optim\.lrr: unknown key"):
-        load_config(CONFIGS[0], ["optim.lrr=1"])
+        load_config(TINY, ["optim.lrr=1"])
     with pytest.raises(ConfigError, match="section.key=value"):
-        load_config(CONFIGS[0], ["optim.lr"])
+        load_config(TINY, ["optim.lr"])
 
 
 def test_unreadable_and_malformed_files(tmp_path):

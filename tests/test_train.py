@@ -1,41 +1,14 @@
 """End-to-end training through the `megabam` command: single process, resume, and 2 data-parallel
 ranks under torchrun (gloo), compared with the single-process run."""
-import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "yaml_configs" / "tiny_cpu.yaml"
-# Small enough to run in seconds, large enough that the loss must fall.
-SMALL = ["model.d_model=64", "model.n_layers=2", "data.seq_len=128", "data.corpus_bytes=1000000",
-         "train.micro_batch_size=4", "schedule.warmup_steps=3", "train.eval_batches=2",
-         "logging.log_every=1", "logging.progress_bar=false",
-         "eval.passkey_samples=2", "eval.passkey_lengths=[]"]
+from megabam.config import load_config
+from megabam.train.window_sampler import WindowSampler
+from runs import CONFIG, REPO, SMALL, logged, losses, megabam_train
 
-
-def megabam_train(run_root: Path, cache: Path, *overrides, resume=False, nproc=1, check=True):
-    args = [f"run.output_dir={run_root}", f"data.cache_dir={cache}", *SMALL, *overrides]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megabam.cli", "train", str(CONFIG), *args]
-    else:  # through the repo's own launch script, as a user would
-        cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(nproc), str(CONFIG), *args]
-    if resume:
-        cmd.append("--resume")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MEGABAM_PYTHON=sys.executable)
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-    if check and result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
-    return result
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+SWAX = REPO / "yaml_configs" / "swax_tiny_cpu.yaml"
 
 
 def test_main_job_end_to_end(tmp_path, data_cache):
@@ -59,8 +32,12 @@ def test_existing_run_is_never_overwritten(tmp_path, data_cache):
     (tmp_path / "taken" / "notes.txt").write_text("keep me")
     result = megabam_train(tmp_path, data_cache, "run.name=taken", "train.steps=4", check=False)
     assert result.returncode == 2
-    assert "already holds a run" in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    assert (tmp_path / "taken" / "notes.txt").read_text() == "keep me"
+    assert "holds files but no checkpoint" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
+    # --fresh starts beside it
+    megabam_train(tmp_path, data_cache, "run.name=taken", "train.steps=3", "eval.passkey_samples=0", "--fresh")
+    assert (tmp_path / "taken-2" / "checkpoints" / "latest").is_file()
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
 
 
 def test_bad_config_fails_before_work(tmp_path, data_cache):
@@ -74,13 +51,11 @@ def test_bad_config_fails_before_work(tmp_path, data_cache):
                          ids=["fp32-zero1", "bf16-zero2-accum2"])
 def test_resume_continues_the_run(tmp_path, data_cache, setting):
     megabam_train(tmp_path, data_cache, "run.name=full", "train.steps=12", "checkpoint.every=6", *setting)
-    # A copy of the run, cut back to its step-6 checkpoint, then resumed.
+    # A copy of the run, cut back to its step-6 checkpoint, then resumed (metrics past step 6 are
+    # dropped by the trainer and recomputed).
     part = tmp_path / "part"
     shutil.copytree(tmp_path / "full", part)
-    (part / "checkpoints" / "latest").write_text("step_00000006")
     shutil.rmtree(part / "checkpoints" / "step_00000012")
-    kept = [line for line in (part / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 6]
-    (part / "metrics.jsonl").write_text("\n".join(kept) + "\n")
     resumed = megabam_train(tmp_path, data_cache, "run.name=part", "train.steps=12", "checkpoint.every=6",
                             *setting, resume=True)
     assert "resumed from" in resumed.stdout + resumed.stderr
@@ -100,3 +75,25 @@ def test_two_data_parallel_ranks_match_one_process(tmp_path, data_cache):
     reference, parallel = losses(tmp_path / "dp1"), losses(tmp_path / "dp2")
     for step in range(1, 7):
         assert parallel[step] == pytest.approx(reference[step], rel=1e-4), step
+
+
+def test_swax_trains_with_per_step_windows_and_resumes_exactly(tmp_path, data_cache):
+    """The trainer feeds every SWA layer the sampler's window of each step, the same on both ranks
+    (one process group computes one loss), and a resumed run draws the same windows."""
+    windows = ["window.windows=[16, 64]", "window.probabilities=[0.5, 0.5]", "window.anneal_fraction=0.25",
+               "model.swa.window=64", "model.swa.block_size=32", "model.mlstm.chunk_size=32",
+               "train.steps=12", "checkpoint.every=6"]
+    megabam_train(tmp_path, data_cache, "run.name=swax", *windows, config=SWAX, nproc=2)
+    cfg = load_config(SWAX, [*SMALL, *windows])
+    sampler = WindowSampler(cfg.window, cfg.run.seed, 12)
+    expected = {t + 1: sampler.window(t) for t in range(12)}
+    assert logged(tmp_path / "swax", "window") == expected
+    assert set(expected.values()) == {16, 64} and expected[10] == expected[11] == expected[12] == 64  # annealed
+    curve = losses(tmp_path / "swax")
+    assert sum(curve[s] for s in (10, 11, 12)) < sum(curve[s] for s in (1, 2, 3)) - 1.0
+
+    part = tmp_path / "swax_part"
+    shutil.copytree(tmp_path / "swax", part)
+    shutil.rmtree(part / "checkpoints" / "step_00000012")
+    megabam_train(tmp_path, data_cache, "run.name=swax_part", *windows, config=SWAX, nproc=2)
+    assert losses(part) == curve and logged(part, "window") == expected

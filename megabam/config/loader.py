@@ -156,12 +156,15 @@ def validate(c: Config, source: str) -> None:
             f"rope needs an even head dimension, got {head_dim}")
     require(m.ffn_hidden is None or m.ffn_hidden >= 1, "model.ffn_hidden", f"must be at least 1, got {m.ffn_hidden}")
     require(len(m.layer_pattern) >= 1, "model.layer_pattern", "must name at least one mixer")
-    from megabam.model.transformer import MIXERS  # the registry is the one source of mixer names
+    from megabam.model.transformer import MIXERS, PATTERN_LETTERS, expand_pattern, is_compact_pattern
 
-    for i, name in enumerate(m.layer_pattern):
-        require(name in MIXERS, f"model.layer_pattern[{i}]", f"unknown mixer {name!r} (known: {', '.join(MIXERS)})")
-    require(m.n_layers % len(m.layer_pattern) == 0, "model.n_layers",
-            f"{m.n_layers} is not a multiple of the layer_pattern length {len(m.layer_pattern)}")
+    for i, name in enumerate(m.layer_pattern):  # the registry is the one source of mixer names
+        require(name in MIXERS or is_compact_pattern(name), f"model.layer_pattern[{i}]",
+                f"unknown mixer {name!r} (known: {', '.join(MIXERS)}, or letters of {''.join(PATTERN_LETTERS)})")
+    period = expand_pattern(m.layer_pattern)
+    require(m.n_layers % len(period) == 0, "model.n_layers",
+            f"{m.n_layers} is not a multiple of the layer_pattern length {len(period)}")
+    _validate_swax(c, set(period), require)
     require(a.window is None or 1 <= a.window <= c.data.seq_len, "model.attention.window",
             f"{a.window} must lie in 1..data.seq_len={c.data.seq_len}")
     lo_hi = a.bam.beta_range
@@ -184,6 +187,7 @@ def validate(c: Config, source: str) -> None:
     require(0 <= c.data.passkey_fraction < 1, "data.passkey_fraction", f"must lie in [0, 1), got {c.data.passkey_fraction}")
     require(0 < c.data.val_fraction < 1, "data.val_fraction", f"must lie in (0, 1), got {c.data.val_fraction}")
     require(c.data.num_workers >= 0, "data.num_workers", f"must be non-negative, got {c.data.num_workers}")
+    _validate_streams(c.data, require)
     require(c.parallel.zero_stage in (0, 1, 2), "parallel.zero_stage", f"must be 0, 1 or 2, got {c.parallel.zero_stage}")
     # Tensor and pipeline parallelism arrive with their own issue; refuse them here rather than ignore them.
     require(c.parallel.tensor == 1, "parallel.tensor", "tensor parallelism is not available yet; use 1")
@@ -193,7 +197,69 @@ def validate(c: Config, source: str) -> None:
     require(c.eval.passkey_samples >= 0, "eval.passkey_samples", f"must be non-negative, got {c.eval.passkey_samples}")
     for i, n in enumerate(c.eval.passkey_lengths):
         require(n >= 1, f"eval.passkey_lengths[{i}]", f"must be at least 1, got {n}")
+    require(c.train.max_bad_steps >= 0, "train.max_bad_steps", f"must be non-negative, got {c.train.max_bad_steps}")
+    for i, step in enumerate(c.train.debug_nan_steps):
+        require(1 <= step <= c.train.steps, f"train.debug_nan_steps[{i}]", f"{step} must lie in 1..train.steps")
+    # DeepSpeed skips a non-finite update only inside its ZeRO optimizer (stage 1 or 2).
+    require(c.parallel.zero_stage >= 1 or (c.train.max_bad_steps == 0 and not c.train.debug_nan_steps),
+            "parallel.zero_stage", "stage 0 cannot skip non-finite steps; use 1 or 2, or set train.max_bad_steps=0")
+    require(c.checkpoint.keep >= 1, "checkpoint.keep", f"must be at least 1, got {c.checkpoint.keep}")
     require(c.checkpoint.every >= 0, "checkpoint.every", f"must be non-negative, got {c.checkpoint.every}")
     require(c.logging.peak_tflops is None or c.logging.peak_tflops > 0, "logging.peak_tflops",
             f"must be positive, got {c.logging.peak_tflops}")
     require(c.run.name != "" and "/" not in c.run.name, "run.name", f"must be a plain directory name, got {c.run.name!r}")
+
+
+def _validate_swax(c: Config, mixers: set[str], require) -> None:
+    """Rules of the sliding-window, mLSTM and Gated DeltaNet sections, checked when the pattern uses them."""
+    m = c.model
+    if "swa" in mixers:
+        w = m.swa
+        require(m.d_model // m.n_heads % 2 == 0 or w.positional != "rope", "model.swa.positional",
+                f"rope needs an even head dimension, got {m.d_model // m.n_heads}")
+        require(1 <= w.window <= c.data.seq_len, "model.swa.window", f"{w.window} must lie in 1..data.seq_len={c.data.seq_len}")
+        require(w.block_size >= 1, "model.swa.block_size", f"must be at least 1, got {w.block_size}")
+        s = c.window
+        require(len(s.windows) >= 1, "window.windows", "must list at least one window")
+        for i, win in enumerate(s.windows):
+            require(1 <= win <= c.data.seq_len, f"window.windows[{i}]", f"{win} must lie in 1..data.seq_len={c.data.seq_len}")
+        require(len(s.probabilities) == len(s.windows), "window.probabilities",
+                f"needs one probability per window ({len(s.windows)}), got {len(s.probabilities)}")
+        for i, p in enumerate(s.probabilities):
+            require(0.0 <= p <= 1.0, f"window.probabilities[{i}]", f"must lie in [0, 1], got {p}")
+        require(abs(sum(s.probabilities) - 1.0) < 1e-6, "window.probabilities", f"must sum to 1, got {sum(s.probabilities)}")
+        require(0.0 <= s.anneal_fraction <= 1.0, "window.anneal_fraction", f"must lie in [0, 1], got {s.anneal_fraction}")
+        require(s.anneal_window is None or 1 <= s.anneal_window <= c.data.seq_len, "window.anneal_window",
+                f"{s.anneal_window} must lie in 1..data.seq_len={c.data.seq_len}")
+    if "mlstm" in mixers:
+        x = m.mlstm
+        heads = x.n_heads or m.n_heads
+        require(heads >= 1 and (m.d_model // 2) % heads == 0, "model.mlstm.n_heads",
+                f"{heads} does not divide model.d_model / 2 = {m.d_model // 2} (q and k are half width)")
+        require(x.chunk_size >= 1, "model.mlstm.chunk_size", f"must be at least 1, got {x.chunk_size}")
+        require(x.gate_soft_cap > 0, "model.mlstm.gate_soft_cap", f"must be positive, got {x.gate_soft_cap}")
+        require(x.eps >= 0, "model.mlstm.eps", f"must be non-negative, got {x.eps}")
+        require(len(x.fgate_bias_init) == 2, "model.mlstm.fgate_bias_init", f"must be [first, last], got {x.fgate_bias_init}")
+    if "gated_deltanet" in mixers:
+        x = m.gated_deltanet
+        heads = x.n_heads or m.n_heads
+        require(heads >= 1 and m.d_model % heads == 0, "model.gated_deltanet.n_heads",
+                f"{heads} does not divide model.d_model={m.d_model}")
+        require(x.conv_size >= 1, "model.gated_deltanet.conv_size", f"must be at least 1, got {x.conv_size}")
+        require(x.chunk_size >= 1, "model.gated_deltanet.chunk_size", f"must be at least 1, got {x.chunk_size}")
+
+
+def _validate_streams(d, require) -> None:
+    """data.source=mds needs streams and a tokenizer; weights positive, on every stream or none."""
+    if d.source != "mds":
+        require(not d.streams, "data.streams", "only used with data.source: mds")
+        return
+    require(len(d.streams) >= 1, "data.streams", "data.source mds needs at least one stream")
+    require(bool(d.tokenizer), "data.tokenizer", "data.source mds needs the tokenizer .model of its streams")
+    weighted = [s.weight is not None for s in d.streams]
+    for i, s in enumerate(d.streams):
+        require(s.path != "", f"data.streams[{i}].path", "must name the dataset directory (or local cache)")
+        require(s.weight is None or s.weight > 0, f"data.streams[{i}].weight", f"must be positive, got {s.weight}")
+        require(s.repeat is None or s.repeat > 0, f"data.streams[{i}].repeat", f"must be positive, got {s.repeat}")
+        require(s.weight is None or s.repeat is None, f"data.streams[{i}]", "give a weight or a repeat, not both")
+        require(weighted[i] or not any(weighted), f"data.streams[{i}].weight", "set a weight on every stream or on none")

@@ -57,6 +57,40 @@ class AttentionConfig:
 
 
 @dataclass
+class SlidingWindowConfig(AttentionConfig):
+    """Sliding-window attention layers (mixer `swa`): the attention settings with SWAX defaults."""
+
+    positional: Literal["ggd_bam", "alibi", "nope", "rope", "sinusoidal"] = doc(
+        "rope", "Positional scheme of the SWA layers (the SWAX paper uses RoPE); any of the attention schemes."
+    )
+    ssmax: bool = doc(False, "Scalable softmax in the SWA layers (off in the SWAX paper).")
+    window: int = doc(
+        2048,
+        "Window in tokens (the token itself included: key j is seen by query i iff i - window < j <= i) "
+        "used when the call gives none (evaluation, inference); training steps take theirs from `window.*`.",
+    )
+
+
+@dataclass
+class MLstmConfig:
+    n_heads: Optional[int] = doc(None, "mLSTM heads; null = model.n_heads. Must divide model.d_model / 2.")
+    chunk_size: int = doc(64, "Time steps per chunk of the chunkwise (training) form; cost grows as N·chunk_size.")
+    gate_soft_cap: float = doc(15.0, "Input/forget gate pre-activations are soft-capped to cap·tanh(x/cap).")
+    eps: float = doc(1e-6, "Added to the denominator max(|q·n|, exp(-m)) of the cell output.")
+    igate_bias_init: float = doc(-10.0, "Initial input-gate bias of every head.")
+    fgate_bias_init: list[float] = doc(
+        [3.0, 6.0], "[first head, last head] initial forget-gate biases, spread linearly (σ near 1: long memory at init)."
+    )
+
+
+@dataclass
+class GatedDeltaNetConfig:
+    n_heads: Optional[int] = doc(None, "Gated DeltaNet heads; null = model.n_heads. Must divide model.d_model.")
+    conv_size: int = doc(4, "Kernel length of the short causal depthwise convolutions on q, k and v.")
+    chunk_size: int = doc(64, "Time steps per chunk of the chunkwise (training) form.")
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = doc(4096, "Vocabulary size; the tokenizer is trained to exactly this size.")
     d_model: int = doc(128, "Residual stream width.")
@@ -64,12 +98,29 @@ class ModelConfig:
     n_heads: int = doc(4, "Attention heads per layer; must divide d_model.")
     ffn_hidden: Optional[int] = doc(None, "SwiGLU hidden width; null = 8/3·d_model rounded up to a multiple of 64.")
     layer_pattern: list[str] = doc(
-        ["attention"], "Mixer of each layer, repeated cyclically over n_layers (n_layers must be a multiple)."
+        ["attention"],
+        "Mixer of each layer (attention, swa, mlstm, gated_deltanet), repeated cyclically over n_layers (n_layers "
+        "must be a multiple); an entry of capitals is a compact pattern, one letter a layer: A, S, M, G (e.g. [SM]).",
     )
     tie_embeddings: bool = doc(True, "Share the input embedding and the output projection.")
     norm_eps: float = doc(1e-5, "RMSNorm epsilon.")
     init_std: float = doc(0.02, "Standard deviation of weight initialisation.")
-    attention: AttentionConfig = doc(AttentionConfig, "Attention mixer settings.")
+    attention: AttentionConfig = doc(AttentionConfig, "Full attention mixer (`attention`) settings.")
+    swa: SlidingWindowConfig = doc(SlidingWindowConfig, "Sliding-window attention mixer (`swa`) settings.")
+    mlstm: MLstmConfig = doc(MLstmConfig, "mLSTM mixer (`mlstm`) settings.")
+    gated_deltanet: GatedDeltaNetConfig = doc(GatedDeltaNetConfig, "Gated DeltaNet mixer (`gated_deltanet`) settings.")
+
+
+@dataclass
+class WindowConfig:
+    """The per-step window of the sliding-window attention layers (megabam/train/window_sampler.py)."""
+
+    windows: list[int] = doc([128, 2048], "Candidate windows in tokens; one is drawn for every optimizer step.")
+    probabilities: list[float] = doc(
+        [0.5, 0.5], "Probability of each window, in the order of `windows` (sums to 1); one window with 1.0 = fixed."
+    )
+    anneal_fraction: float = doc(0.1, "The last this share of the steps uses anneal_window only (no draw).")
+    anneal_window: Optional[int] = doc(None, "Window of the annealing steps; null = the largest of `windows`.")
 
 
 @dataclass
@@ -80,10 +131,21 @@ class ParallelConfig:
 
 
 @dataclass
+class StreamConfig:
+    path: str = doc("", "A prepared dataset directory (train/, val/), or the local cache of `remote`.")
+    remote: Optional[str] = doc(None, "Where the dataset lives when not local (s3://, gs://, ... or a directory); null = path only.")
+    weight: Optional[float] = doc(None, "Relative share of training samples (set on every stream or on none).")
+    repeat: Optional[float] = doc(None, "Instead of a weight: times each sample is drawn per epoch (fractions subsample).")
+
+
+@dataclass
 class DataConfig:
-    source: Literal["default"] = doc(
-        "default", "default = Python's stdlib sources + synthetic passkey samples, built offline and cached."
+    source: Literal["default", "mds"] = doc(
+        "default", "default = Python's stdlib sources + synthetic passkey samples, built offline and cached; "
+        "mds = datasets written by `megabam data prepare` / `synth`, listed in data.streams."
     )
+    streams: list[StreamConfig] = doc([], "data.source=mds: the prepared datasets to mix (path, remote, weight or repeat).")
+    tokenizer: Optional[str] = doc(None, "data.source=mds: the sentencepiece .model the streams were tokenized with.")
     seq_len: int = doc(256, "Tokens per training sequence.")
     corpus_bytes: int = doc(4_000_000, "Bytes of stdlib source text in the default corpus.")
     passkey_fraction: float = doc(0.25, "Share of training samples that are passkey-retrieval documents.")
@@ -121,6 +183,10 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = doc("fp32", "Training precision (bf16 keeps fp32 master weights).")
     eval_every: int = doc(0, "Validation every this many steps (0 = only at the end).")
     eval_batches: int = doc(8, "Validation micro-batches per evaluation.")
+    max_bad_steps: int = doc(
+        5, "Stop after this many consecutive steps whose loss or gradient norm is not finite (each is skipped); 0 = never stop."
+    )
+    debug_nan_steps: list[int] = doc([], "Steps whose loss is made NaN on purpose, to exercise the bad-step guard.")
 
 
 @dataclass
@@ -132,6 +198,7 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     every: int = doc(100, "Save a checkpoint every this many steps (and always at the end); 0 = only at the end.")
+    keep: int = doc(3, "Keep the newest this many checkpoints; older ones are deleted after a save.")
 
 
 @dataclass
@@ -151,6 +218,7 @@ class LoggingConfig:
 class Config:
     run: RunConfig = doc(RunConfig, "Run identity.")
     model: ModelConfig = doc(ModelConfig, "Model shape and mixers.")
+    window: WindowConfig = doc(WindowConfig, "Per-step window of the sliding-window attention layers (used when the pattern has `swa`).")
     parallel: ParallelConfig = doc(ParallelConfig, "Parallel layout.")
     data: DataConfig = doc(DataConfig, "Training data.")
     optim: OptimConfig = doc(OptimConfig, "Optimizer.")

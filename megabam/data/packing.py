@@ -27,25 +27,44 @@ def pack_documents(
     belongs to the document it ends; the next document's segment starts after it. The final
     incomplete remainder (fewer than ``sample_len`` tokens) is dropped.
     """
-    buf = np.empty(sample_len, dtype=np.int32)
-    fill = 0
-    starts = [0]
+    packer = Packer(sample_len, eos_id)
     for doc in docs:
+        yield from packer.add(doc)
+
+
+class Packer:
+    """The incremental form of ``pack_documents``: feed documents one at a time.
+
+    ``pending`` is the number of tokens waiting for the next full sample (dropped if no more
+    documents come).
+    """
+
+    def __init__(self, sample_len: int, eos_id: int):
+        self.sample_len = sample_len
+        self.eos_id = eos_id
+        self._buf = np.empty(sample_len, dtype=np.int32)
+        self._starts = [0]
+        self.pending = 0
+
+    def add(self, doc: list[int] | np.ndarray) -> list[PackedSample]:
+        """Append ``doc`` and its eos; return the samples it completed."""
         tokens = np.empty(len(doc) + 1, dtype=np.int32)
         tokens[:-1] = doc
-        tokens[-1] = eos_id
-        if fill > 0:
-            starts.append(fill)
+        tokens[-1] = self.eos_id
+        if self.pending > 0:
+            self._starts.append(self.pending)
+        done = []
         pos = 0
         while pos < len(tokens):
-            n = min(sample_len - fill, len(tokens) - pos)
-            buf[fill : fill + n] = tokens[pos : pos + n]
-            fill += n
+            n = min(self.sample_len - self.pending, len(tokens) - pos)
+            self._buf[self.pending : self.pending + n] = tokens[pos : pos + n]
+            self.pending += n
             pos += n
-            if fill == sample_len:
-                yield PackedSample(buf.copy(), np.array(starts, dtype=np.int32))
-                fill = 0
-                starts = [0]
+            if self.pending == self.sample_len:
+                done.append(PackedSample(self._buf.copy(), np.array(self._starts, dtype=np.int32)))
+                self.pending = 0
+                self._starts = [0]
+        return done
 
 
 def doc_ids_from_starts(doc_starts: np.ndarray, length: int) -> np.ndarray:

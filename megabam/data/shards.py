@@ -1,15 +1,32 @@
-"""Writing packed samples as mosaicml-streaming MDS shards."""
+"""Writing packed samples as mosaicml-streaming MDS shards, and checking shards against their index."""
 
+import hashlib
+import json
 import os
 import shutil
+import tempfile
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from megabam.data.errors import DataError
 from megabam.data.packing import PackedSample
 from megabam.data.streaming_import import import_streaming
 
 COLUMNS = {"tokens": "ndarray:int32", "doc_starts": "ndarray:int32"}
+HASHES = ["sha1"]
+
+
+def open_mds_writer(out_dir: str | os.PathLike, compression: str | None = "zstd", size_limit: int | str = "8mb"):
+    """An ``MDSWriter`` for packed samples (``tokens``, ``doc_starts``) with sha1 hashes."""
+    return import_streaming().MDSWriter(
+        out=str(out_dir), columns=COLUMNS, compression=compression, hashes=HASHES, size_limit=size_limit
+    )
+
+
+def write_sample(writer, sample: PackedSample) -> None:
+    """Write one packed sample through a writer from ``open_mds_writer``."""
+    writer.write({"tokens": sample.tokens, "doc_starts": sample.doc_starts})
 
 
 def write_mds(
@@ -28,18 +45,11 @@ def write_mds(
     if out_dir.exists():
         raise ValueError(f"refusing to write MDS shards into existing path {out_dir}")
     tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex}"
-    streaming = import_streaming()
-    writer = streaming.MDSWriter(
-        out=str(tmp_dir),
-        columns=COLUMNS,
-        compression=compression,
-        hashes=["sha1"],
-        size_limit=size_limit,
-    )
+    writer = open_mds_writer(tmp_dir, compression, size_limit)
     count = 0
     try:
         for sample in samples:
-            writer.write({"tokens": sample.tokens, "doc_starts": sample.doc_starts})
+            write_sample(writer, sample)
             count += 1
     except BaseException:
         writer.cancel_future_jobs()  # stop the writer's (upload) threads; no index is written
@@ -53,3 +63,72 @@ def write_mds(
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return count
+
+
+def read_index(mds_dir: str | os.PathLike) -> dict:
+    """The parsed ``index.json`` of an MDS directory (DataError if absent or unreadable)."""
+    path = Path(mds_dir) / "index.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{mds_dir}: not an MDS dataset (no index.json)") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: unreadable index ({e})") from None
+
+
+def verify_shards(mds_dir: str | os.PathLike) -> int:
+    """Check every shard file of ``mds_dir`` against the size and hashes in its index.
+
+    Reads the compressed file when the raw one is absent (as written), the raw one otherwise.
+    Returns the number of shards; raises DataError at the first missing, truncated or corrupted one.
+    """
+    mds_dir = Path(mds_dir)
+    shards = read_index(mds_dir)["shards"]
+    for shard in shards:
+        info = shard["raw_data"]
+        if not (mds_dir / info["basename"]).exists() and shard.get("zip_data"):
+            info = shard["zip_data"]
+        path = mds_dir / info["basename"]
+        try:
+            data = path.read_bytes()
+        except OSError:
+            raise DataError(f"{path}: shard file missing") from None
+        if len(data) != info["bytes"]:
+            raise DataError(f"{path}: shard truncated or corrupted ({len(data)} bytes, index says {info['bytes']})")
+        for algo, want in info.get("hashes", {}).items():
+            if algo in hashlib.algorithms_available and hashlib.new(algo, data).hexdigest() != want:
+                raise DataError(f"{path}: shard corrupted ({algo} hash mismatch)")
+    return len(shards)
+
+
+def iter_mds_samples(mds_dir: str | os.PathLike, limit: int | None = None) -> Iterator[dict]:
+    """The samples of ``mds_dir`` in order (at most ``limit``), compressed shards included.
+
+    Reads the dataset in place without streaming's shared-memory machinery; a compressed shard is
+    decompressed into a temporary directory one at a time, so the dataset directory is never
+    modified and memory holds one shard.
+    """
+    mds_dir = Path(mds_dir)
+    import_streaming()  # registers its stand-ins before streaming.base is first imported
+    from streaming.base.compression import decompress
+    from streaming.base.format import reader_from_json
+
+    count = 0
+    with tempfile.TemporaryDirectory(prefix="megabam-mds-") as tmp:
+        for shard in read_index(mds_dir)["shards"]:
+            raw = shard["raw_data"]["basename"]
+            where = mds_dir
+            if not (mds_dir / raw).exists():
+                if not shard.get("zip_data"):
+                    raise DataError(f"{mds_dir / raw}: shard file missing")
+                data = (mds_dir / shard["zip_data"]["basename"]).read_bytes()
+                (Path(tmp) / raw).write_bytes(decompress(shard["compression"], data))
+                where = Path(tmp)
+            reader = reader_from_json(str(where), None, shard)
+            for i in range(reader.samples):
+                if limit is not None and count >= limit:
+                    return
+                yield reader.get_item(i)
+                count += 1
+            if where != mds_dir:
+                (Path(tmp) / raw).unlink()

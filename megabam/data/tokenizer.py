@@ -2,10 +2,12 @@
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
+
+from megabam.data.errors import DataError
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
@@ -50,31 +52,47 @@ class Tokenizer:
 
 
 def train_tokenizer(
-    documents: list[str],
+    documents: Iterable[str],
     out_path: str | os.PathLike,
     vocab_size: int,
     model_type: str = "bpe",
     split_digits: bool = True,
     byte_fallback: bool = True,
+    special_tokens: Sequence[str] = (),
+    max_sentences: int = 0,
+    progress: bool = False,
 ) -> Tokenizer:
     """Train a sentencepiece model on ``documents`` and write it atomically to ``out_path``.
 
     Settings keep text (code, here) exactly recoverable: no normalisation, whitespace kept as is
     (runs of spaces may become pieces, for indentation), no dummy leading space, and byte fallback
-    for characters outside the vocabulary. Ids: pad 0, unk 1, bos 2, eos 3. The vocabulary has
-    exactly ``vocab_size`` pieces (sentencepiece raises if the text cannot fill it).
+    for characters outside the vocabulary. Ids: pad 0, unk 1, bos 2, eos 3, then
+    ``special_tokens`` (user-defined pieces, never split). The vocabulary has exactly
+    ``vocab_size`` pieces (sentencepiece raises if the text cannot fill it). ``max_sentences``
+    > 0 trains on a random sample of that many lines (for corpora too large to hold in memory).
+    ``progress`` shows a bar of lines read.
     """
     out_path = Path(out_path)
     prefix = out_path.parent / f".{out_path.name}.tmp-{uuid.uuid4().hex}"
+    lines = _lines(documents)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(lines, desc="tokenizer: reading", unit=" lines", unit_scale=True, disable=None)  # None: tty only
+        lines = iter(bar)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_lines(documents),
+            sentence_iterator=lines,
             model_prefix=str(prefix),
             vocab_size=vocab_size,
             hard_vocab_limit=True,
             model_type=model_type,
             split_digits=split_digits,
             byte_fallback=byte_fallback,
+            user_defined_symbols=list(special_tokens),
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
             pad_id=PAD_ID,
             unk_id=UNK_ID,
             bos_id=BOS_ID,
@@ -89,6 +107,8 @@ def train_tokenizer(
         )
         os.replace(f"{prefix}.model", out_path)
     finally:
+        if bar is not None:
+            bar.close()
         for suffix in (".model", ".vocab"):
             Path(f"{prefix}{suffix}").unlink(missing_ok=True)
     tokenizer = Tokenizer(out_path)
@@ -97,7 +117,22 @@ def train_tokenizer(
     return tokenizer
 
 
-def _lines(documents: list[str]) -> Iterator[str]:
+def load_tokenizer(path: str | os.PathLike, expected_vocab_size: int | None = None) -> Tokenizer:
+    """Load a sentencepiece model, refusing (DataError) a bad file or a vocab size other than expected."""
+    if not Path(path).is_file():
+        raise DataError(f"tokenizer {path} does not exist")
+    try:
+        tokenizer = Tokenizer(path)
+    except (OSError, RuntimeError) as e:
+        raise DataError(f"tokenizer {path} is not a sentencepiece model ({str(e).splitlines()[0]})") from None
+    if expected_vocab_size is not None and tokenizer.vocab_size != expected_vocab_size:
+        raise DataError(
+            f"tokenizer {path} has {tokenizer.vocab_size} pieces but model.vocab_size is {expected_vocab_size}"
+        )
+    return tokenizer
+
+
+def _lines(documents: Iterable[str]) -> Iterator[str]:
     # sentencepiece trains on sentences; lines are the natural unit of code.
     for doc in documents:
         yield from doc.splitlines()

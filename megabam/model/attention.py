@@ -1,16 +1,19 @@
-"""The attention mixer: projections, positional scheme, SSMax parameters, and a call to the op.
+"""The attention mixers: projections, positional scheme, SSMax parameters, and a call to the op.
 
-The op itself (kernels/bam_attention.py) tiles over query blocks and evaluates the prior per tile,
-so no N×N tensor exists at training lengths.
+Two mixers share the `Attention` module: full causal attention (`attention`, settings
+`model.attention`) and sliding-window attention (`swa`, settings `model.swa`, RoPE by default). The
+op itself (kernels/bam_attention.py) tiles over query blocks, evaluates the prior per tile and, with
+a window, touches only the key tiles the window reaches, so no N×N tensor exists and SWA costs N·w.
 """
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
-from kernels.bam_attention import bam_attention
-from megabam.config.schema import ModelConfig
+from kernels.bam_attention import EPS, EXP_CAP, bam_attention
+from megabam.config.schema import AttentionConfig, ModelConfig
 from megabam.model.positional import AlibiPrior, BamPrior, apply_rope, rope_tables
 
 
@@ -19,27 +22,46 @@ class SequenceInfo:
     """What every mixer may need to know about the batch besides the activations."""
 
     doc_ids: Optional[torch.Tensor] = None  # (B, N) document index per position, for document-aware masking
-    window: Optional[int] = None  # per-call sliding window; overrides the configured one when set
+    # Per-call window of the sliding-window (`swa`) layers, set each step from the window sampler;
+    # None = their configured model.swa.window. Full attention layers never take it.
+    window: Optional[int] = None
 
 
-def build_prior(cfg: ModelConfig, shared: dict) -> Optional[nn.Module]:
-    """The prior module of one attention layer; `shared` carries the one instance when it is shared."""
-    a = cfg.attention
+class KVCache(NamedTuple):
+    """Keys (after RoPE) and values an attention layer keeps while streaming, (B, H, S, D) each.
+
+    SWA layers keep a ring buffer of S = window slots (slot p mod window holds position p); full
+    attention layers keep every position seen (S grows). `positions` (S,) holds each slot's position,
+    -1 while empty; `length` is the number of tokens streamed so far.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    length: int
+
+
+def build_prior(cfg: ModelConfig, a: AttentionConfig, shared: dict, section: str) -> Optional[nn.Module]:
+    """The prior module of one attention layer configured by `a` (the model config's `section`);
+    `shared` carries the one instance per section when it is shared across layers."""
     if a.positional == "alibi":
         return AlibiPrior(cfg.n_heads)
     if a.positional != "ggd_bam":
         return None
     if not a.bam.shared_across_layers:
         return BamPrior(cfg.n_heads, a.bam)
-    if "bam_prior" not in shared:
-        shared["bam_prior"] = BamPrior(cfg.n_heads, a.bam)
-    return shared["bam_prior"]
+    key = f"bam_prior/{section}"
+    if key not in shared:
+        shared[key] = BamPrior(cfg.n_heads, a.bam)
+    return shared[key]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, prior: Optional[nn.Module]):
+    """Causal attention configured by one attention section. `sliding` layers (SWA) take the window of
+    each call (SequenceInfo.window) and fall back to their configured one; the others use theirs."""
+
+    def __init__(self, cfg: ModelConfig, a: AttentionConfig, prior: Optional[nn.Module], sliding: bool = False):
         super().__init__()
-        a = cfg.attention
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
@@ -47,8 +69,10 @@ class Attention(nn.Module):
         self.prior = prior
         self.ssmax_s = nn.Parameter(torch.ones(cfg.n_heads)) if a.ssmax else None
         self.ssmax_before_prior = a.ssmax_before_prior
+        self.positional = a.positional
         self.rope_theta = a.rope_theta if a.positional == "rope" else None
         self.window = a.window
+        self.sliding = sliding
         self.document_aware = a.document_aware
         self.block_size = a.block_size
 
@@ -64,17 +88,86 @@ class Attention(nn.Module):
             theta_alpha=theta_alpha, theta_beta=theta_beta, theta_mu=theta_mu,
             ssmax_s=self.ssmax_s, ssmax_before_prior=self.ssmax_before_prior,
             doc_ids=seq.doc_ids if self.document_aware else None,
-            window=seq.window if seq.window is not None else self.window,
+            window=self.window_of(seq),
             block_size=self.block_size,
         )
         return self.out(y.transpose(1, 2).reshape(B, N, -1))
 
+    def stream(self, x: torch.Tensor, cache: Optional[KVCache], seq: SequenceInfo) -> tuple[torch.Tensor, KVCache]:
+        """Continue a stream (inference): x (B, C, d) are the next C tokens after those in `cache`
+        (None = start). One document per stream; the output equals `forward` on the whole stream.
+
+        The C queries attend densely to the cached keys and their own; with a window the cache is a
+        ring of `window` slots, so memory and work per token do not grow with the context.
+        """
+        B, C, _ = x.shape
+        window = self.window_of(seq)
+        start = 0 if cache is None else cache.length
+        q, k, v = self.qkv(x).view(B, C, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.rope_theta is not None:
+            cos, sin = rope_tables(C, self.head_dim, self.rope_theta, device=x.device, start=start)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None and window is not None and cache.k.shape[2] != window:
+            raise ValueError(f"the stream was started with window {cache.k.shape[2]}, not {window}")
+        if cache is None:
+            slots = 0 if window is None else window
+            empty = k.new_zeros(B, self.n_heads, slots, self.head_dim)
+            cache = KVCache(empty, empty, torch.full((slots,), -1, dtype=torch.long, device=x.device), 0)
+        new_pos = torch.arange(start, start + C, device=x.device)
+        keys, values = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+        y = self._attend(q, keys, values, new_pos, torch.cat([cache.positions, new_pos]), window)
+        if window is None:
+            cache = KVCache(keys, values, torch.cat([cache.positions, new_pos]), start + C)
+        else:  # write the last min(C, window) tokens into their ring slots
+            keep = min(C, window)
+            slots = new_pos[-keep:] % window
+            cache = KVCache(cache.k.index_copy(2, slots, k[:, :, -keep:]), cache.v.index_copy(2, slots, v[:, :, -keep:]),
+                            cache.positions.index_copy(0, slots, new_pos[-keep:]), start + C)
+        return self.out(y.transpose(1, 2).reshape(B, C, -1)), cache
+
+    def _attend(self, q, k, v, q_pos, k_pos, window: Optional[int]) -> torch.Tensor:
+        """Dense attention of queries at positions q_pos (C,) to keys at k_pos (S,) (-1 = empty slot),
+        with the op's masking, prior and SSMax (kernels/bam_attention.py); computed in fp32 (fp64 for fp64)
+        like the op."""
+        dtype = q.dtype
+        cd = torch.float64 if dtype == torch.float64 else torch.float32
+        q, k, v = q.to(cd), k.to(cd), v.to(cd)
+        delta = k_pos[None, :] - q_pos[:, None]  # j - i
+        allowed = (k_pos[None, :] >= 0) & (delta <= 0)
+        if window is not None:
+            allowed &= delta > -window
+        logits = qk = (q @ k.transpose(-1, -2)) * self.head_dim ** -0.5
+        prior = None
+        if self.prior is not None:
+            alpha, beta, mu = self.prior()
+            d = delta.to(cd)[None] - (0 if mu is None else 2 * torch.sinh(mu.to(cd))[:, None, None])
+            exponent = alpha.to(cd)[:, None, None] + beta.to(cd)[:, None, None] * torch.log(d.abs() + EPS)
+            prior = -torch.exp(exponent.clamp(max=EXP_CAP))
+            logits = qk + prior
+        if self.ssmax_s is not None:
+            # n_i: keys row i may see, from the stream start and capped by the window.
+            n = (q_pos + 1) if window is None else (q_pos + 1).clamp(max=window)
+            c = self.ssmax_s.to(cd)[:, None, None] * torch.log(n.to(cd))[:, None]
+            logits = qk * c + prior if (prior is not None and self.ssmax_before_prior) else logits * c
+        probs = torch.softmax(logits.masked_fill(~allowed, -math.inf), dim=-1)
+        return (probs @ v).to(dtype)
+
+    def window_of(self, seq: SequenceInfo) -> Optional[int]:
+        return seq.window if (self.sliding and seq.window is not None) else self.window
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Forward+backward FLOPs of q·k and p·v per token (the projections are counted as parameters)."""
+        """Forward+backward FLOPs of q·k and p·v per token (the projections are counted as parameters).
+        SWA layers count their configured window; the sampled one changes from step to step."""
         # A causal row sees seq_len/2 keys on average; a window caps that.
         context = seq_len / 2 if self.window is None else min(self.window, seq_len / 2)
         return 12 * self.n_heads * self.head_dim * context
 
 
 def build_attention(cfg: ModelConfig, shared: dict) -> Attention:
-    return Attention(cfg, build_prior(cfg, shared))
+    """Full causal attention (`attention`), settings model.attention."""
+    return Attention(cfg, cfg.attention, build_prior(cfg, cfg.attention, shared, "attention"))
+
+
+def build_sliding_window_attention(cfg: ModelConfig, shared: dict) -> Attention:
+    """Sliding-window attention (`swa`), settings model.swa; the window may change with every call."""
+    return Attention(cfg, cfg.swa, build_prior(cfg, cfg.swa, shared, "swa"), sliding=True)

@@ -63,9 +63,10 @@ class AlibiPrior(nn.Module):
         return self.theta_alpha, self.theta_beta, None
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (seq_len, head_dim/2) of positions start.. (start > 0 continues a stream)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(torch.arange(start, start + seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -77,9 +78,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)
 
 
-def sinusoidal_table(seq_len: int, dim: int, device=None) -> torch.Tensor:
-    """The original Transformer's absolute position embedding, added to the token embeddings."""
-    position = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None]
+def sinusoidal_table(seq_len: int, dim: int, device=None, start: int = 0) -> torch.Tensor:
+    """The original Transformer's absolute position embedding of positions start.., added to the token embeddings."""
+    position = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)[:, None]
     inv_freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim))
     table = torch.zeros(seq_len, dim, device=device)
     table[:, 0::2] = torch.sin(position * inv_freq)

@@ -1,22 +1,45 @@
 """The decoder: embedding, a stack of (norm → mixer, norm → SwiGLU) blocks, final norm, LM head.
 
-Each layer's mixer comes from `model.layer_pattern` through the `MIXERS` registry, so new mixers
-(sliding-window attention, mLSTM, Gated DeltaNet) register here without touching the trunk.
+Each layer's mixer comes from `model.layer_pattern` through the `MIXERS` registry: full attention,
+sliding-window attention, mLSTM and Gated DeltaNet, in any sequence (SWAX is `[SM]`: SWA and mLSTM 1:1).
 """
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megabam.config.schema import ModelConfig
-from megabam.model.attention import SequenceInfo, build_attention
+from megabam.model.attention import SequenceInfo, build_attention, build_sliding_window_attention
+from megabam.model.gated_deltanet import build_gated_deltanet
 from megabam.model.layers import RMSNorm, SwiGLU, swiglu_hidden
+from megabam.model.mlstm import build_mlstm
 from megabam.model.positional import sinusoidal_table
 
-# mixer name → builder(model config, dict of modules shared across layers) → nn.Module(x, SequenceInfo)
-MIXERS: dict[str, Callable[[ModelConfig, dict], nn.Module]] = {"attention": build_attention}
+# mixer name → builder(model config, dict of modules shared across layers) → nn.Module called as
+# mixer(x, SequenceInfo), with stream(x, state, SequenceInfo) → (y, state) for recurrent inference and
+# flops_per_token(seq_len) for the MFU estimate.
+MIXERS: dict[str, Callable[[ModelConfig, dict], nn.Module]] = {
+    "attention": build_attention,
+    "swa": build_sliding_window_attention,
+    "mlstm": build_mlstm,
+    "gated_deltanet": build_gated_deltanet,
+}
+# One capital per mixer for compact patterns: layer_pattern: [SM] = [swa, mlstm].
+PATTERN_LETTERS = {"A": "attention", "S": "swa", "M": "mlstm", "G": "gated_deltanet"}
+
+
+def is_compact_pattern(entry: str) -> bool:
+    return entry != "" and all(ch in PATTERN_LETTERS for ch in entry)
+
+
+def expand_pattern(layer_pattern: list[str]) -> list[str]:
+    """Mixer names of one period of the pattern; compact entries ("SM") expand to one name per letter."""
+    names: list[str] = []
+    for entry in layer_pattern:
+        names += [PATTERN_LETTERS[ch] for ch in entry] if is_compact_pattern(entry) else [entry]
+    return names
 
 
 class Block(nn.Module):
@@ -31,6 +54,19 @@ class Block(nn.Module):
         x = x + self.mixer(self.mixer_norm(x), seq)
         return x + self.mlp(self.mlp_norm(x))
 
+    def stream(self, x: torch.Tensor, state, seq: SequenceInfo):
+        y, state = self.mixer.stream(self.mixer_norm(x), state, seq)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), state
+
+
+class DecoderState(NamedTuple):
+    """What `Decoder.stream` carries between calls: each layer's cache or recurrent state (a KVCache,
+    MLstmState or GatedDeltaNetState) and the number of tokens streamed so far."""
+
+    layers: list
+    length: int
+
 
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -38,11 +74,14 @@ class Decoder(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         shared: dict = {}
-        pattern = cfg.layer_pattern * (cfg.n_layers // len(cfg.layer_pattern))
-        self.blocks = nn.ModuleList(Block(cfg, MIXERS[name](cfg, shared)) for name in pattern)
+        period = expand_pattern(cfg.layer_pattern)
+        self.layer_types = period * (cfg.n_layers // len(period))
+        self.blocks = nn.ModuleList(Block(cfg, MIXERS[name](cfg, shared)) for name in self.layer_types)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.sinusoidal = cfg.attention.positional == "sinusoidal"
+        # Sinusoidal positions are added to the embeddings, so they serve every layer when any attention
+        # section in use asks for them.
+        self.sinusoidal = any(getattr(b.mixer, "positional", None) == "sinusoidal" for b in self.blocks)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -61,22 +100,68 @@ class Decoder(nn.Module):
         doc_ids: Optional[torch.Tensor] = None,
         window: Optional[int] = None,
     ) -> torch.Tensor:
-        """Mean next-token cross-entropy when `labels` is given, else the logits (B, N, vocab)."""
+        """Mean next-token cross-entropy when `labels` is given, else the logits (B, N, vocab).
+        `window` is the sliding-window layers' window for this call (the trainer sets it per step from
+        the window sampler); None = model.swa.window. Full attention layers ignore it."""
         x = self.embed(input_ids)
         if self.sinusoidal:
             x = x + sinusoidal_table(input_ids.shape[1], x.shape[-1], device=x.device).to(x.dtype)
         seq = SequenceInfo(doc_ids=doc_ids, window=window)
         for block in self.blocks:
             x = block(x, seq)
-        x = self.norm(x)
-        logits = F.linear(x, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        logits = self._logits(x)
         if labels is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self.embed.weight if self.lm_head is None else self.lm_head.weight)
+
+    def stream(
+        self, input_ids: torch.Tensor, state: Optional[DecoderState] = None, window: Optional[int] = None
+    ) -> tuple[torch.Tensor, DecoderState]:
+        """Recurrent inference: the logits (B, C, vocab) of the next C tokens of a stream whose earlier
+        tokens `state` holds (None = start), and the state after them. Equal to `forward` on the whole
+        stream with the same SWA window (default model.swa.window); one document per stream.
+
+        SWA layers keep a ring buffer of their last `window` keys and values, mLSTM and Gated DeltaNet
+        layers their fixed-size state, so a SWAX model's memory does not grow with the context. Full
+        attention layers, where a pattern has them, keep every key and value (a growing KV cache).
+        Prompts can go in as one chunk (chunkwise forms); generation feeds one token per call
+        (recurrent forms).
+        """
+        start = 0 if state is None else state.length
+        layer_states = [None] * len(self.blocks) if state is None else state.layers
+        x = self.embed(input_ids)
+        if self.sinusoidal:
+            x = x + sinusoidal_table(input_ids.shape[1], x.shape[-1], device=x.device, start=start).to(x.dtype)
+        seq = SequenceInfo(window=window)
+        new_states = []
+        for block, layer_state in zip(self.blocks, layer_states):
+            x, layer_state = block.stream(x, layer_state, seq)
+            new_states.append(layer_state)
+        return self._logits(x), DecoderState(new_states, start + input_ids.shape[1])
+
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if exclude_embedding else n
+
+    def params_by_layer_type(self) -> dict[str, int]:
+        """Parameters of the mixers summed per mixer name, of all MLPs + norms, and of the embedding/head
+        (shared modules such as one BAM prior for all layers are counted once, with the first layer)."""
+        counts: dict[str, int] = {}
+        seen: set[int] = set()
+
+        def count(module: nn.Module) -> int:
+            fresh = [p for p in module.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in fresh)
+            return sum(p.numel() for p in fresh)
+
+        for name, block in zip(self.layer_types, self.blocks):
+            counts[name] = counts.get(name, 0) + count(block.mixer)
+        counts["mlp_and_norms"] = sum(count(b.mlp) + count(b.mlp_norm) + count(b.mixer_norm) for b in self.blocks)
+        counts["embedding_and_head"] = count(self.embed) + count(self.norm) + (count(self.lm_head) if self.lm_head else 0)
+        return counts
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per parameter use (the LM head counts even when tied) plus the

@@ -1,22 +1,39 @@
-"""Checkpoints: DeepSpeed's layout (model, ZeRO-partitioned optimizer, scheduler) plus megabam's
-metadata beside it as JSON — step, tokens, data-loader position, resolved config, tokenizer path,
-wandb run id. Nothing megabam writes needs unpickling to read.
+"""Atomic, verified checkpoints.
 
-    run_dir/checkpoints/latest               tag of the newest checkpoint (written by DeepSpeed last)
-    run_dir/checkpoints/step_00000100/       DeepSpeed files + megabam.json
+Layout of a run's checkpoints:
+
+    checkpoints/latest                 tag of the newest complete checkpoint (moved last)
+    checkpoints/step_00000100/         DeepSpeed files (model, ZeRO-partitioned optimizer, scheduler)
+        rng_rank00000.json             each rank's RNG state
+        megabam.json                   step, tokens, data-loader position, config, tokenizer, wandb id
+        manifest.json                  size and xxh3-128 digest of every other file (written last)
+    checkpoints/.tmp-step_00000200/    a checkpoint being written (ignored and cleaned up)
+
+A checkpoint is written under a temporary name and renamed once every rank is done, then `latest`
+moves. At load, the newest checkpoint whose manifest verifies is used; a partial or corrupted one is
+reported and skipped. Nothing megabam writes needs unpickling, and DeepSpeed's own files are read
+with `weights_only=True`.
 """
 import json
+import os
+import re
+import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import xxhash
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
+from megabam.train import rng
+
 META_FILE = "megabam.json"
+MANIFEST_FILE = "manifest.json"
+TAG = re.compile(r"^step_(\d{8})$")
 
 
 class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
@@ -40,33 +57,119 @@ def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def save(engine, run_dir: Path, step: int, meta: dict) -> Path:
-    """Collective: every rank writes its shard; rank 0 writes the metadata."""
-    tag = f"step_{step:08d}"
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def list_tags(run_dir: Path) -> list[str]:
+    """Complete-looking checkpoint tags, newest first (temporary directories excluded)."""
     root = checkpoint_root(run_dir)
-    engine.save_checkpoint(str(root), tag=tag)
-    if dist.get_rank() == 0:
-        tmp = root / tag / (META_FILE + ".tmp")
-        tmp.write_text(json.dumps(dict(meta, step=step), indent=1))
-        tmp.rename(root / tag / META_FILE)
+    tags = [p.name for p in root.iterdir() if p.is_dir() and TAG.match(p.name)] if root.is_dir() else []
+    return sorted(tags, reverse=True)
+
+
+def save(engine, run_dir: Path, step: int, meta: dict, keep: int) -> Path:
+    """Collective. Every rank writes its DeepSpeed shard and RNG state into a temporary directory;
+    the ranks hash the files between them; rank 0 writes metadata and manifest, renames the
+    directory into place, moves `latest`, and deletes all but the newest `keep` checkpoints."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    root, tag = checkpoint_root(run_dir), tag_for(step)
+    tmp = root / f".tmp-{tag}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+    dist.barrier()
+    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+    _write_json(tmp / f"rng_rank{rank:05d}.json", rng.capture())
+    if rank == 0:
+        _write_json(tmp / META_FILE, dict(meta, step=step))
+    dist.barrier()
+
+    files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+    digests = {name: _digest(tmp / name) for name in files[rank::world]}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, digests)
+    if rank == 0:
+        manifest = {name: d for part in gathered for name, d in part.items()}
+        _write_json(tmp / MANIFEST_FILE, {"files": manifest})
+        _fsync_dir(tmp)
+        final = root / tag
+        if final.exists():  # the same step saved again (a run resumed at its last step)
+            trash = root / f".old-{tag}"
+            os.rename(final, trash)
+            shutil.rmtree(trash)
+        os.rename(tmp, final)
+        _write_text_atomic(root / "latest", tag)
+        for old in list_tags(run_dir)[keep:]:
+            shutil.rmtree(root / old)
     dist.barrier()
     return root / tag
 
 
-def latest_tag(run_dir: Path) -> Optional[str]:
-    pointer = checkpoint_root(run_dir) / "latest"
-    return pointer.read_text().strip() if pointer.is_file() else None
+def find_valid(run_dir: Path, report: Callable[[str], None]) -> Optional[str]:
+    """Collective. The newest checkpoint that verifies against its manifest, or None.
+    Every skipped checkpoint is reported with the reason."""
+    for tag in list_tags(run_dir):
+        problem = _verify(checkpoint_root(run_dir) / tag)
+        if problem is None:
+            return tag
+        report(f"checkpoint {checkpoint_root(run_dir) / tag} is unusable ({problem}); trying the previous one")
+    return None
 
 
-def load(engine, run_dir: Path) -> Optional[dict]:
-    """Restore the engine from the newest checkpoint and return its metadata (None if there is none)."""
-    tag = latest_tag(run_dir)
-    if tag is None:
-        return None
-    meta_path = checkpoint_root(run_dir) / tag / META_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{meta_path}: checkpoint metadata missing; the checkpoint is incomplete")
-    load_path, _ = engine.load_checkpoint(str(checkpoint_root(run_dir)), tag=tag)
+def load(engine, run_dir: Path, tag: str) -> dict:
+    """Restore engine (model, optimizer, scheduler) and this rank's RNG from `tag`; return its metadata."""
+    root = checkpoint_root(run_dir)
+    load_path, _ = engine.load_checkpoint(str(root), tag=tag)
     if load_path is None:
-        raise FileNotFoundError(f"{checkpoint_root(run_dir) / tag}: DeepSpeed could not load this checkpoint")
-    return json.loads(meta_path.read_text())
+        raise FileNotFoundError(f"{root / tag}: DeepSpeed could not load this checkpoint")
+    rng_file = root / tag / f"rng_rank{dist.get_rank():05d}.json"
+    rng.restore(json.loads(rng_file.read_text()))
+    return json.loads((root / tag / META_FILE).read_text())
+
+
+def _verify(path: Path) -> Optional[str]:
+    """Collective: each rank checks a share of the files; all ranks return the same verdict."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return "no readable manifest: the checkpoint was not completed"
+    problems = []
+    for name in sorted(manifest)[rank::world]:
+        if not (path / name).is_file():
+            problems.append(f"{name} is missing")
+        elif _digest(path / name) != manifest[name]:
+            problems.append(f"{name} does not match its checksum")
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, problems)
+    found = [p for part in gathered for p in part]
+    return "; ".join(found) if found else None
+
+
+def _digest(path: Path) -> dict:
+    h = xxhash.xxh3_128()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return {"bytes": path.stat().st_size, "xxh3_128": h.hexdigest()}
+
+
+def _write_json(path: Path, data) -> None:
+    _write_text_atomic(path, json.dumps(data, indent=1))
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -39,7 +39,8 @@ def deepspeed_config(cfg: Config) -> dict:
         "gradient_accumulation_steps": cfg.train.grad_accum,
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
-        "bf16": {"enabled": cfg.train.precision == "bf16"},
+        # check_grad_overflow: skip (on every rank) an update whose gradient norm is not finite.
+        "bf16": {"enabled": cfg.train.precision == "bf16", "check_grad_overflow": True},
         # megabam's AdamW groups carry per-group lr multipliers; ZeRO shards any torch optimizer.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,

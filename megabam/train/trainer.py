@@ -1,4 +1,6 @@
-"""The training loop: data → DeepSpeed engine → metrics, evaluation and checkpoints."""
+"""The training loop: data → DeepSpeed engine → metrics, evaluation and checkpoints, with auto-resume,
+preemption handling and a guard against non-finite steps."""
+import json
 import logging
 import math
 import os
@@ -13,19 +15,28 @@ import torch.distributed as dist
 
 from megabam.config import Config, ConfigError, save_config
 from megabam.data.default_dataset import build_default_dataset
+from megabam.data.errors import DataError
 from megabam.data.loader import build_loader
 from megabam.data.passkey import passkey_sample
 from megabam.data.tokenizer import Tokenizer
+from megabam.data.training_data import TrainingData, prepared_mixture, single_dataset
 from megabam.eval.passkey import passkey_accuracy
 from megabam.train import checkpoint
+from megabam.train.compatibility import config_changes
 from megabam.train.engine import build_engine, init_distributed
 from megabam.train.logger import RunLogger, head_parameters, peak_tflops
-from megabam.train.optim import lr_factor
 from megabam.train.plot import plot_loss
+from megabam.model.transformer import expand_pattern
+from megabam.train.preemption import Preempted, PreemptionFlag
+from megabam.train.window_sampler import WindowSampler
 
 
 class RunDirError(RuntimeError):
     """The run directory cannot be used as asked (never overwritten silently)."""
+
+
+class TooManyBadSteps(RuntimeError):
+    """train.max_bad_steps consecutive steps had a non-finite loss or gradient norm."""
 
 
 @dataclass
@@ -38,6 +49,7 @@ class Summary:
     final_loss: float
     val_loss: float
     params: int
+    skipped_steps: int
     checkpoint: str
     loss_plot: str
     passkey: dict[int, float]  # prompt length → share of keys retrieved
@@ -46,7 +58,7 @@ class Summary:
         return [
             f"run directory   {self.run_dir}",
             f"parameters      {self.params:,}",
-            f"steps           {self.steps}   tokens {self.tokens:,}",
+            f"steps           {self.steps}   tokens {self.tokens:,}   skipped (non-finite) {self.skipped_steps}",
             f"wall time       {self.wall_s:.1f} s   ({self.tokens_per_s:,.0f} tokens/s)",
             f"train loss      {self.final_loss:.4f} (mean of the last logged steps)",
             f"val loss        {self.val_loss:.4f}   (perplexity {math.exp(min(self.val_loss, 50)):.2f})",
@@ -56,83 +68,173 @@ class Summary:
         ]
 
 
-def run_directory(cfg: Config) -> Path:
-    return Path(cfg.run.output_dir) / cfg.run.name
+def choose_run_directory(cfg: Config, fresh: bool, resume: bool) -> tuple[Path, bool]:
+    """(directory, whether to resume). A directory with checkpoints is resumed automatically; one
+    with files but no checkpoint is refused; `fresh` starts a new run beside it (name-2, name-3, ...);
+    `resume` insists on a checkpoint. Nothing is ever overwritten."""
+    base = Path(cfg.run.output_dir) / cfg.run.name
+
+    def empty(path: Path) -> bool:
+        return not path.exists() or not any(path.iterdir())
+
+    if fresh:
+        candidate, n = base, 1
+        while not empty(candidate):
+            n += 1
+            candidate = base.with_name(f"{base.name}-{n}")
+        return candidate, False
+    if checkpoint.list_tags(base):
+        return base, True
+    if resume:
+        raise RunDirError(f"{base}: no checkpoint to resume from")
+    if not empty(base):
+        raise RunDirError(f"{base}: holds files but no checkpoint; pass --fresh to start a new run beside it, or set run.name")
+    return base, False
 
 
-def check_run_directory(run_dir: Path, resume: bool) -> None:
-    """A directory that already holds a run is only ever continued (--resume), never overwritten."""
-    if run_dir.exists() and any(run_dir.iterdir()) and not resume:
-        raise RunDirError(f"{run_dir}: already holds a run; pass --resume to continue it or set run.name")
-
-
-def train(cfg: Config, resume: bool = False) -> Summary:
+def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
     os.environ.setdefault("WANDB_MODE", cfg.logging.wandb_mode)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # Attention probabilities under a sharp prior underflow into denormals, which x86 CPUs multiply
     # ~100x slower than normal floats; flushing them to zero changes no result that matters.
     torch.set_flush_denormal(True)
-    run_dir = run_directory(cfg)
-    check_run_directory(run_dir, resume)
+    run_dir, resuming = choose_run_directory(cfg, fresh, resume)
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    dist.barrier()  # every rank has checked the directory before rank 0 writes into it
+    dist.barrier()  # every rank has chosen the directory before rank 0 writes into it
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    say = print if rank == 0 else (lambda *_: None)
 
     data = _build_data(cfg, rank)
     tokenizer = Tokenizer(data.tokenizer_path)
     passkey_lengths = cfg.eval.passkey_lengths or [cfg.data.seq_len]
     _check_passkey_lengths(tokenizer, passkey_lengths if cfg.eval.passkey_samples else [])
+    engine, _ = build_engine(cfg)
+    checkpoint.use_weights_only_loading(engine)
+    train_loader = build_loader(data.train, micro_batch_size=cfg.train.micro_batch_size, shuffle=True,
+                                seed=cfg.run.seed, num_workers=cfg.data.num_workers, vocab_size=cfg.model.vocab_size)
+    val_loader = build_loader(data.val, micro_batch_size=cfg.train.micro_batch_size, shuffle=False,
+                              seed=cfg.run.seed, num_workers=0, vocab_size=cfg.model.vocab_size)
+
+    # SWA layers get a window drawn per step (a pure function of seed and step: same on every rank).
+    sampler = WindowSampler(cfg.window, cfg.run.seed, cfg.train.steps) if "swa" in expand_pattern(cfg.model.layer_pattern) else None
+    if sampler is not None:
+        say(sampler.describe())
+    meta = _resume(engine, train_loader, sampler, cfg, run_dir, say) if resuming else None
+    start_step = meta["step"] if meta else 0
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
         shutil.copyfile(data.tokenizer_path, run_dir / "tokenizer.model")
-    engine, _ = build_engine(cfg)
-    checkpoint.use_weights_only_loading(engine)
-    train_loader = build_loader(data.train_dir, micro_batch_size=cfg.train.micro_batch_size, shuffle=True,
-                                seed=cfg.run.seed, num_workers=cfg.data.num_workers)
-    val_loader = build_loader(data.val_dir, micro_batch_size=cfg.train.micro_batch_size, shuffle=False,
-                              seed=cfg.run.seed, num_workers=0)
+        _truncate_metrics(run_dir / "metrics.jsonl", start_step)
+    dist.barrier()
 
-    meta = checkpoint.load(engine, run_dir) if resume else None
-    start_step = meta["step"] if meta else 0
-    if meta:
-        train_loader.load_state_dict(meta["loader"])
-    tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_len * world
     log = RunLogger(cfg, run_dir, start_step, meta.get("wandb_id") if meta else None, enabled=rank == 0)
-    if meta:
-        log.write(f"resumed from {checkpoint.checkpoint_root(run_dir) / checkpoint.latest_tag(run_dir)} at step {start_step}")
+    try:
+        with PreemptionFlag() as preemption:
+            return _loop(cfg, engine, train_loader, val_loader, sampler, tokenizer, run_dir, meta, log, preemption,
+                         device, passkey_lengths)
+    finally:
+        log.close()
 
+
+def _resume(engine, train_loader, sampler, cfg: Config, run_dir: Path, say) -> dict:
+    """Load the newest valid checkpoint after checking that the config change is allowed."""
+    tag = checkpoint.find_valid(run_dir, say)
+    if tag is None:
+        raise RunDirError(f"{checkpoint.checkpoint_root(run_dir)}: no usable checkpoint to resume from")
+    saved = json.loads((checkpoint.checkpoint_root(run_dir) / tag / checkpoint.META_FILE).read_text())
+    refused, accepted = config_changes(saved["config"], asdict(cfg))
+    if refused:
+        raise ConfigError("<resume>", "config", f"cannot resume {run_dir / 'checkpoints' / tag} with changed " + "; ".join(refused))
+    for line in accepted:
+        say(f"resume: accepted config change {line}")
+    t0 = time.perf_counter()
+    meta = checkpoint.load(engine, run_dir, tag)
+    train_loader.load_state_dict(meta["loader"])
+    if sampler is not None and meta.get("window_sampler"):
+        try:
+            sampler.load_state_dict(meta["window_sampler"])
+        except ValueError as e:  # its config keys were accepted above; the windows drawn from here on change
+            say(f"resume: {e}")
+    say(f"resumed from {checkpoint.checkpoint_root(run_dir) / tag} at step {meta['step']} "
+        f"(loaded in {time.perf_counter() - t0:.2f} s)")
+    return meta
+
+
+def _loop(cfg, engine, train_loader, val_loader, sampler, tokenizer, run_dir, meta, log, preemption, device, passkey_lengths):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start_step = meta["step"] if meta else 0
+    skipped_total = meta.get("skipped_steps", 0) if meta else 0
+    tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_len * world
     model = engine.module
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
     peak = peak_tflops(cfg.logging)
     batches = _endless(train_loader)
     recent_losses: list[float] = []
     interval_losses: list[float] = []
+    bad_in_a_row = 0
+    last_saved = start_step if meta else None
     val_loss = math.nan
+
+    def save(step: int) -> None:
+        nonlocal last_saved
+        t0 = time.perf_counter()
+        path = checkpoint.save(engine, run_dir, step, {
+            "tokens": step * tokens_per_step, "samples": step * tokens_per_step // cfg.data.seq_len,
+            "loader": train_loader.state_dict(), "config": asdict(cfg), "skipped_steps": skipped_total,
+            "tokenizer": str(run_dir / "tokenizer.model"), "wandb_id": log.wandb_id,
+            "window_sampler": sampler.state_dict() if sampler is not None else None,
+        }, keep=cfg.checkpoint.keep)
+        last_saved = step
+        log.log(step, {"checkpoint_save_s": time.perf_counter() - t0})
+        log.write(f"saved {path} in {time.perf_counter() - t0:.2f} s")
+
     t_start = time.perf_counter()
     for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
+        lr = _current_lr(engine)
+        window = sampler.window(step) if sampler is not None else None
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         for _ in range(cfg.train.grad_accum):
             batch = {k: v.to(device) for k, v in next(batches).items()}
-            loss = engine(batch["input_ids"], batch["labels"], batch["doc_ids"])
+            loss = engine(batch["input_ids"], batch["labels"], batch["doc_ids"], window)
+            if step + 1 in cfg.train.debug_nan_steps:
+                loss = loss * math.nan
             engine.backward(loss)
             engine.step()
-            loss_sum += loss.detach().float()
-        dist.all_reduce(loss_sum)
-        loss_value = loss_sum.item() / (cfg.train.grad_accum * world)
+            loss_sum += loss.detach().double()
+        # One collective per step: the loss, whether DeepSpeed applied the update (it skips one
+        # whose gradient norm is not finite, on every rank alike), and whether any rank was signalled.
+        stats = torch.tensor([loss_sum.item(), float(not engine.was_step_applied()), float(preemption.requested)],
+                             dtype=torch.float64, device=device)
+        dist.all_reduce(stats)
+        loss_value = stats[0].item() / (cfg.train.grad_accum * world)
+        done = step + 1
         step_s = time.perf_counter() - t0
         tokens_per_s = tokens_per_step / step_s
-        lr = cfg.optim.lr * lr_factor(step, cfg.schedule, cfg.train.steps)
-        done = step + 1
         log.step(done, loss_value, tokens_per_s, lr)
-        recent_losses = (recent_losses + [loss_value])[-10:]
-        interval_losses.append(loss_value)
+        if window is not None:
+            log.log(done, {"window": window})
 
-        if done % cfg.logging.log_every == 0 or done == cfg.train.steps:
+        if stats[1] > 0 or not math.isfinite(loss_value):
+            skipped_total += 1
+            bad_in_a_row += 1
+            log.write(f"step {done}: non-finite loss or gradient norm, update skipped ({bad_in_a_row} in a row)")
+            log.log(done, {"skipped_steps": skipped_total})
+            if cfg.train.max_bad_steps and bad_in_a_row >= cfg.train.max_bad_steps:
+                good = checkpoint.checkpoint_root(run_dir) / checkpoint.tag_for(last_saved) if last_saved else "none"
+                raise TooManyBadSteps(f"{bad_in_a_row} consecutive steps with a non-finite loss or gradient norm "
+                                      f"(last at step {done}); last good checkpoint: {good}")
+        else:
+            bad_in_a_row = 0
+            recent_losses = (recent_losses + [loss_value])[-10:]
+            interval_losses.append(loss_value)
+
+        if interval_losses and (done % cfg.logging.log_every == 0 or done == cfg.train.steps):
             # the mean over the interval: one step's loss swings with its batch's mix of documents
-            metrics = {"loss": sum(interval_losses) / len(interval_losses), "lr": lr, "grad_norm": float(engine.get_global_grad_norm() or 0.0),
+            metrics = {"loss": sum(interval_losses) / len(interval_losses), "lr": lr,
+                       "grad_norm": float(engine.get_global_grad_norm() or 0.0),
                        "tokens_per_s": tokens_per_s, "tokens": done * tokens_per_step,
                        "tflops_per_device": tokens_per_s * flops_per_token / world / 1e12}
             if peak:
@@ -143,34 +245,69 @@ def train(cfg: Config, resume: bool = False) -> Summary:
         if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
             val_loss = evaluate(engine, val_loader, cfg.train.eval_batches, device)
             log.log(done, {"val_loss": val_loss})
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps:
-            meta = {"tokens": done * tokens_per_step, "loader": train_loader.state_dict(),
-                    "config": asdict(cfg), "tokenizer": str(run_dir / "tokenizer.model"), "wandb_id": log.wandb_id}
-            checkpoint.save(engine, run_dir, done, meta)
+        # No periodic save inside a streak of bad steps: pruning must not push out the last good one.
+        periodic = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps
+        if periodic and bad_in_a_row == 0:
+            save(done)
+        if stats[2] > 0:
+            if last_saved != done:
+                save(done)
+            log.write(f"preempted ({preemption.signal_name or 'signal on another rank'}) after step {done}; checkpoint saved")
+            raise Preempted(done)
     wall = time.perf_counter() - t_start
+    if last_saved != cfg.train.steps:
+        save(cfg.train.steps)  # a resumed run that had already reached its end
+
     passkey = {}
     if cfg.eval.passkey_samples and rank == 0:
         for n in passkey_lengths:
             passkey[n] = passkey_accuracy(model, tokenizer, n, cfg.eval.passkey_samples, cfg.run.seed, device)
         log.log(cfg.train.steps, {f"passkey_{n}": acc for n, acc in passkey.items()})
     dist.barrier()
-
+    if rank == 0:
+        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
     steps_run = cfg.train.steps - start_step
-    summary = Summary(
+    return Summary(
         run_dir=str(run_dir), steps=cfg.train.steps, tokens=cfg.train.steps * tokens_per_step, wall_s=wall,
         tokens_per_s=steps_run * tokens_per_step / wall if steps_run else 0.0,
         final_loss=sum(recent_losses) / len(recent_losses) if recent_losses else math.nan, val_loss=val_loss,
-        params=model.num_params(), checkpoint=str(checkpoint.checkpoint_root(run_dir) / str(checkpoint.latest_tag(run_dir))),
+        params=model.num_params(), skipped_steps=skipped_total,
+        checkpoint=str(checkpoint.checkpoint_root(run_dir) / checkpoint.tag_for(cfg.train.steps)),
         loss_plot=str(run_dir / "loss.png"), passkey=passkey,
     )
-    if rank == 0:
-        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    log.close()
-    return summary
 
 
-def _build_data(cfg: Config, rank: int):
-    """Rank 0 builds (or finds cached) the default dataset; the others then read the cache."""
+def _current_lr(engine) -> float:
+    """The peak-relative learning rate this step will use (group lr divided by its multiplier)."""
+    group = engine.optimizer.param_groups[0]
+    return group["lr"] / group["lr_mult"]
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop the metrics of steps after the checkpoint (they are recomputed) and any line
+    cut short by a kill."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("step", 0) <= last_step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _build_data(cfg: Config, rank: int) -> TrainingData:
+    """Streams and tokenizer of the run. data.source=default: rank 0 builds (or finds cached) the
+    default dataset, the others then read the cache. data.source=mds: the prepared datasets of
+    data.streams, refused (ConfigError) if the tokenizer or the datasets disagree with the config."""
+    if cfg.data.source == "mds":
+        try:
+            return prepared_mixture(cfg.data.streams, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.seq_len)
+        except DataError as e:
+            raise ConfigError("<config>", "data", str(e)) from None
     cache_root = Path(cfg.data.cache_dir or os.environ.get("MEGABAM_CACHE") or "~/.cache/megabam").expanduser()
 
     def build():
@@ -182,7 +319,8 @@ def _build_data(cfg: Config, rank: int):
 
     data = build() if rank == 0 else None
     dist.barrier()
-    return data if data is not None else build()
+    data = data if data is not None else build()
+    return single_dataset(data.train_dir, data.val_dir, data.tokenizer_path)
 
 
 def _check_passkey_lengths(tokenizer: Tokenizer, lengths: list[int]) -> None:

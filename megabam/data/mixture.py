@@ -1,0 +1,58 @@
+"""Several prepared datasets mixed by weight: the streams a loader reads."""
+
+import os
+from dataclasses import dataclass
+
+from megabam.data.errors import DataError
+from megabam.data.streaming_import import import_streaming
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One prepared dataset in a mixture.
+
+    ``local`` is the dataset directory, or, with ``remote`` (any URL streaming supports, or a
+    directory), the local cache it is downloaded into. ``split`` selects ``train``/``val`` inside
+    it (None = the directory itself is the MDS dataset). ``weight`` is the relative share of the
+    mixture's samples (all streams weighted, or none); ``repeat`` instead draws each sample of the
+    stream that many times per epoch (fractions subsample). Neither: every sample once.
+    """
+
+    local: str
+    remote: str | None = None
+    split: str | None = None
+    weight: float | None = None
+    repeat: float | None = None
+
+
+def check_streams(streams: list[StreamSpec]) -> None:
+    """Refuse (DataError) an empty mixture, a weight or repeat ≤ 0, or weights on only some streams."""
+    if not streams:
+        raise DataError("a mixture needs at least one stream")
+    weighted = [s.weight is not None for s in streams]
+    for i, s in enumerate(streams):
+        if s.weight is not None and not s.weight > 0:
+            raise DataError(f"stream {i} ({s.local}): weight must be positive, got {s.weight}")
+        if s.repeat is not None and not s.repeat > 0:
+            raise DataError(f"stream {i} ({s.local}): repeat must be positive, got {s.repeat}")
+        if s.weight is not None and s.repeat is not None:
+            raise DataError(f"stream {i} ({s.local}): give a weight or a repeat, not both")
+    if any(weighted) and not all(weighted):
+        raise DataError("give a weight to every stream of a mixture or to none")
+
+
+def make_streams(streams: list[StreamSpec]) -> list:
+    """streaming ``Stream`` objects for ``streams``; weights become proportions summing to 1."""
+    check_streams(streams)
+    streaming = import_streaming()
+    total = sum(s.weight for s in streams) if streams[0].weight is not None else None
+    return [
+        streaming.Stream(
+            local=os.fspath(s.local),
+            remote=s.remote,
+            split=s.split,
+            proportion=s.weight / total if total else None,
+            repeat=s.repeat,
+        )
+        for s in streams
+    ]

@@ -1,0 +1,50 @@
+"""What the trainer reads: train and validation streams plus the tokenizer, checked against the model."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from megabam.data.errors import DataError
+from megabam.data.mixture import StreamSpec, check_streams
+from megabam.data.tokenizer import load_tokenizer
+
+
+@dataclass
+class TrainingData:
+    """Streams for ``build_loader`` (training mixture, validation) and the tokenizer's path."""
+
+    train: list[StreamSpec]
+    val: list[StreamSpec]
+    tokenizer_path: Path
+
+
+def single_dataset(train_dir: Path, val_dir: Path, tokenizer_path: Path) -> TrainingData:
+    """One MDS directory per split (the default dataset's layout)."""
+    return TrainingData([StreamSpec(str(train_dir))], [StreamSpec(str(val_dir))], Path(tokenizer_path))
+
+
+def prepared_mixture(streams, tokenizer_path: str | Path, vocab_size: int, seq_len: int) -> TrainingData:
+    """Training data from prepared datasets (objects with ``path``, ``remote``, ``weight``, ``repeat``).
+
+    Refuses (DataError) a tokenizer whose size is not ``vocab_size`` and a local dataset written for
+    another sequence length or vocabulary (its ``meta.json``). Validation reads every stream's
+    ``val`` split once, unweighted, leaving out local ones that hold no sample.
+    """
+    load_tokenizer(tokenizer_path, vocab_size)
+    train, val = [], []
+    for i, s in enumerate(streams):
+        meta_path = Path(s.path) / "meta.json"
+        meta = json.loads(meta_path.read_text()) if s.remote is None and meta_path.exists() else None
+        if meta is not None and meta["seq_len"] != seq_len:
+            raise DataError(f"stream {i} ({s.path}) was prepared for seq_len {meta['seq_len']}, data.seq_len is {seq_len}")
+        if meta is not None and meta["vocab_size"] != vocab_size:
+            raise DataError(f"stream {i} ({s.path}) was tokenized with {meta['vocab_size']} pieces, model.vocab_size is {vocab_size}")
+        if s.remote is None and not (Path(s.path) / "train" / "index.json").exists():
+            raise DataError(f"stream {i}: {s.path} is not a prepared dataset (no train/index.json)")
+        train.append(StreamSpec(s.path, s.remote, "train", s.weight, s.repeat))
+        if meta is None or meta["summary"]["samples"]["val"] > 0:
+            val.append(StreamSpec(s.path, s.remote, "val"))
+    check_streams(train)
+    if not val:
+        raise DataError("no stream has validation samples (prepare with --val-fraction > 0, or synth with --val)")
+    return TrainingData(train, val, Path(tokenizer_path))
