@@ -232,6 +232,8 @@ def test_corrupted_and_truncated_shards_are_refused(tmp_path, tok_path, capsys):
     shard.write_bytes(bytes(data[:-10]))
     code, _, err = run_cli(capsys, "data", "inspect", ds)
     assert_one_line_error(code, err, shard.name, "truncated")
+    with pytest.raises(DataError, match=f"{shard.name}: shard truncated"):  # what the trainer checks
+        prepared_mixture([StreamConfig(path=str(ds))], tok_path, vocab_size=512, seq_len=15)
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path, tok_path, capsys):

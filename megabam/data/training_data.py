@@ -6,6 +6,7 @@ from pathlib import Path
 
 from megabam.data.errors import DataError
 from megabam.data.mixture import StreamSpec, check_streams
+from megabam.data.shards import verify_shards
 from megabam.data.tokenizer import load_tokenizer
 
 
@@ -26,8 +27,8 @@ def single_dataset(train_dir: Path, val_dir: Path, tokenizer_path: Path) -> Trai
 def prepared_mixture(streams, tokenizer_path: str | Path, vocab_size: int, seq_len: int) -> TrainingData:
     """Training data from prepared datasets (objects with ``path``, ``remote``, ``weight``, ``repeat``).
 
-    Refuses (DataError) a tokenizer whose size is not ``vocab_size`` and a local dataset written for
-    another sequence length or vocabulary (its ``meta.json``). Validation reads every stream's
+    Refuses (DataError) a tokenizer whose size is not ``vocab_size``, a local dataset written for
+    another sequence length or vocabulary (its ``meta.json``) or with a missing or truncated shard. Validation reads every stream's
     ``val`` split once, unweighted, leaving out local ones that hold no sample.
     """
     load_tokenizer(tokenizer_path, vocab_size)
@@ -39,8 +40,13 @@ def prepared_mixture(streams, tokenizer_path: str | Path, vocab_size: int, seq_l
             raise DataError(f"stream {i} ({s.path}) was prepared for seq_len {meta['seq_len']}, data.seq_len is {seq_len}")
         if meta is not None and meta["vocab_size"] != vocab_size:
             raise DataError(f"stream {i} ({s.path}) was tokenized with {meta['vocab_size']} pieces, model.vocab_size is {vocab_size}")
-        if s.remote is None and not (Path(s.path) / "train" / "index.json").exists():
-            raise DataError(f"stream {i}: {s.path} is not a prepared dataset (no train/index.json)")
+        if s.remote is None:
+            if not (Path(s.path) / "train" / "index.json").exists():
+                raise DataError(f"stream {i}: {s.path} is not a prepared dataset (no train/index.json)")
+            # Streaming checks hashes only when it downloads; a local shard cut short by a failed copy
+            # is caught here by its size (cheap: no shard is read). `megabam data inspect` checks hashes.
+            for split in ("train", "val"):
+                verify_shards(Path(s.path) / split, hashes=False)
         train.append(StreamSpec(s.path, s.remote, "train", s.weight, s.repeat))
         if meta is None or meta["summary"]["samples"]["val"] > 0:
             val.append(StreamSpec(s.path, s.remote, "val"))
