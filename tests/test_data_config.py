@@ -48,3 +48,21 @@ def test_trainer_refuses_a_tokenizer_of_another_vocab_size(tmp_path):
         _build_data(load_config(None, overrides), rank=0)
     data = _build_data(load_config(None, overrides + ["model.vocab_size=400"]), rank=0)
     assert data.tokenizer_path == tok and [s.split for s in data.train + data.val] == ["train", "val"]
+
+
+def test_trainer_refuses_a_bit_flipped_local_shard_when_asked_to_hash(tmp_path):
+    from megabam.train.trainer import _build_data
+
+    tok = tmp_path / "tok.model"
+    train_tokenizer(python_stdlib_documents(200_000), tok, vocab_size=400)
+    (tmp_path / "in.txt").write_text("\n".join(f"line {i} of some text" for i in range(400)))
+    prepare_dataset([str(tmp_path / "in.txt")], tmp_path / "ds", tok, 31, text_unit="line", workers=0, val_fraction=0.1)
+    shard = sorted((tmp_path / "ds" / "train").glob("shard.*"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte changed
+    shard.write_bytes(bytes(data))
+    overrides = ["data.source=mds", f"data.tokenizer={tok}", f"data.streams=[{{path: {tmp_path / 'ds'}}}]",
+                 "data.seq_len=31", "model.vocab_size=400"]
+    _build_data(load_config(None, overrides), rank=0)  # sizes match: only hashing can tell
+    with pytest.raises(ConfigError, match="sha1"):
+        _build_data(load_config(None, overrides + ["data.verify_hashes=true"]), rank=0)

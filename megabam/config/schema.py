@@ -146,6 +146,10 @@ class DataConfig:
     )
     streams: list[StreamConfig] = doc([], "data.source=mds: the prepared datasets to mix (path, remote, weight or repeat).")
     tokenizer: Optional[str] = doc(None, "data.source=mds: the sentencepiece .model the streams were tokenized with.")
+    verify_hashes: bool = doc(
+        False, "data.source=mds: check every local shard's sha1 before training (reads all data once; "
+        "sizes are always checked, remote shards are hashed by streaming when downloaded)."
+    )
     seq_len: int = doc(256, "Tokens per training sequence.")
     corpus_bytes: int = doc(4_000_000, "Bytes of stdlib source text in the default corpus.")
     passkey_fraction: float = doc(0.25, "Share of training samples that are passkey-retrieval documents.")

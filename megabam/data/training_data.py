@@ -24,11 +24,13 @@ def single_dataset(train_dir: Path, val_dir: Path, tokenizer_path: Path) -> Trai
     return TrainingData([StreamSpec(str(train_dir))], [StreamSpec(str(val_dir))], Path(tokenizer_path))
 
 
-def prepared_mixture(streams, tokenizer_path: str | Path, vocab_size: int, seq_len: int) -> TrainingData:
+def prepared_mixture(streams, tokenizer_path: str | Path, vocab_size: int, seq_len: int,
+                     verify_hashes: bool = False) -> TrainingData:
     """Training data from prepared datasets (objects with ``path``, ``remote``, ``weight``, ``repeat``).
 
     Refuses (DataError) a tokenizer whose size is not ``vocab_size``, a local dataset written for
-    another sequence length or vocabulary (its ``meta.json``) or with a missing or truncated shard. Validation reads every stream's
+    another sequence length or vocabulary (its ``meta.json``) or with a missing or truncated shard (or,
+    with ``verify_hashes``, a local shard whose sha1 differs from its index). Validation reads every stream's
     ``val`` split once, unweighted, leaving out local ones that hold no sample.
     """
     load_tokenizer(tokenizer_path, vocab_size)
@@ -44,9 +46,9 @@ def prepared_mixture(streams, tokenizer_path: str | Path, vocab_size: int, seq_l
             if not (Path(s.path) / "train" / "index.json").exists():
                 raise DataError(f"stream {i}: {s.path} is not a prepared dataset (no train/index.json)")
             # Streaming checks hashes only when it downloads; a local shard cut short by a failed copy
-            # is caught here by its size (cheap: no shard is read). `megabam data inspect` checks hashes.
+            # is caught here by its size (cheap: no shard is read), a bit flip only by hashing it all.
             for split in ("train", "val"):
-                verify_shards(Path(s.path) / split, hashes=False)
+                verify_shards(Path(s.path) / split, hashes=verify_hashes)
         train.append(StreamSpec(s.path, s.remote, "train", s.weight, s.repeat))
         if meta is None or meta["summary"]["samples"]["val"] > 0:
             val.append(StreamSpec(s.path, s.remote, "val"))

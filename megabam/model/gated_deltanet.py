@@ -99,10 +99,10 @@ class GatedDeltaNet(nn.Module):
 
     def _inputs(self, x: Tensor, conv_cache: Optional[Tensor]) -> tuple[tuple[Tensor, ...], Tensor]:
         """(q, k, v (B, H, N, D), g, β (B, H, N)) and the new convolution cache."""
-        B, N, d = x.shape
+        B, N, _ = x.shape
         qkv = self.qkv(x)
         if conv_cache is None:
-            conv_cache = qkv.new_zeros(B, self.conv_size - 1, 3 * d)
+            conv_cache = qkv.new_zeros(B, self.conv_size - 1, qkv.shape[-1])
         padded = torch.cat([conv_cache, qkv], dim=1)
         qkv = F.silu(self.conv(padded.transpose(1, 2)).transpose(1, 2))
         q, k, v = (t.view(B, N, self.n_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))

@@ -42,6 +42,21 @@ def expand_pattern(layer_pattern: list[str]) -> list[str]:
     return names
 
 
+class VocabOutput(nn.Module):
+    """Logits h·Wᵀ over the vocabulary, or, given labels, the mean next-token cross-entropy.
+
+    Holds no weights: W is the embedding's when tied, else the LM head's. It is a module of its own so
+    tensor parallelism can swap in a vocab-parallel version (megabam/parallel/tensor_parallel.py) that
+    computes the loss without gathering the logits.
+    """
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = F.linear(h, weight)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, mixer: nn.Module):
         super().__init__()
@@ -79,6 +94,7 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, MIXERS[name](cfg, shared)) for name in self.layer_types)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.output = VocabOutput()
         # Sinusoidal positions are added to the embeddings, so they serve every layer when any attention
         # section in use asks for them.
         self.sinusoidal = any(getattr(b.mixer, "positional", None) == "sinusoidal" for b in self.blocks)
@@ -109,13 +125,10 @@ class Decoder(nn.Module):
         seq = SequenceInfo(doc_ids=doc_ids, window=window)
         for block in self.blocks:
             x = block(x, seq)
-        logits = self._logits(x)
-        if labels is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return self.output(self.norm(x), self._head_weight(), labels)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(x), self.embed.weight if self.lm_head is None else self.lm_head.weight)
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def stream(
         self, input_ids: torch.Tensor, state: Optional[DecoderState] = None, window: Optional[int] = None
@@ -140,7 +153,7 @@ class Decoder(nn.Module):
         for block, layer_state in zip(self.blocks, layer_states):
             x, layer_state = block.stream(x, layer_state, seq)
             new_states.append(layer_state)
-        return self._logits(x), DecoderState(new_states, start + input_ids.shape[1])
+        return self.output(self.norm(x), self._head_weight()), DecoderState(new_states, start + input_ids.shape[1])
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -305,7 +305,8 @@ def _build_data(cfg: Config, rank: int) -> TrainingData:
     data.streams, refused (ConfigError) if the tokenizer or the datasets disagree with the config."""
     if cfg.data.source == "mds":
         try:
-            return prepared_mixture(cfg.data.streams, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.seq_len)
+            return prepared_mixture(cfg.data.streams, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.seq_len,
+                                    verify_hashes=cfg.data.verify_hashes)
         except DataError as e:
             raise ConfigError("<config>", "data", str(e)) from None
     cache_root = Path(cfg.data.cache_dir or os.environ.get("MEGABAM_CACHE") or "~/.cache/megabam").expanduser()
