@@ -1,1 +1,2 @@
-"""Attention kernels: the pure-PyTorch BAM reference (CPU path) and the Triton kernels tested against it."""
+"""Attention kernels: the pure-PyTorch BAM reference (CPU path), the fused Triton kernels tested
+against it (GPU path), and the dispatch point that chooses between them."""

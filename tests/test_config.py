@@ -51,7 +51,7 @@ BAD = [
     ({"optim": {"betas": [0.9]}}, "optim.betas"),
     ({"schedule": {"warmup_steps": 500}, "train": {"steps": 100}}, "schedule.warmup_steps"),
     ({"parallel": {"zero_stage": 3}}, "parallel.zero_stage"),
-    ({"parallel": {"tensor": 2}}, "parallel.tensor"),
+    ({"parallel": {"tensor": 3}}, "parallel.tensor"),
     ({"train": {"precision": "fp8"}}, "train.precision"),
     ({"model": {"attention": {"bam": {"beta_range": [1.0, -1.0]}}}}, "model.attention.bam.beta_range"),
     ({"data": {"passkey_fraction": 1.5}}, "data.passkey_fraction"),

@@ -189,8 +189,8 @@ def validate(c: Config, source: str) -> None:
     require(c.data.num_workers >= 0, "data.num_workers", f"must be non-negative, got {c.data.num_workers}")
     _validate_streams(c.data, require)
     require(c.parallel.zero_stage in (0, 1, 2), "parallel.zero_stage", f"must be 0, 1 or 2, got {c.parallel.zero_stage}")
-    # Tensor and pipeline parallelism arrive with their own issue; refuse them here rather than ignore them.
-    require(c.parallel.tensor == 1, "parallel.tensor", "tensor parallelism is not available yet; use 1")
+    _validate_tensor_parallel(c, set(period), require)
+    # Pipeline parallelism is not built yet; refuse it here rather than ignore it.
     require(c.parallel.pipeline == 1, "parallel.pipeline", "pipeline parallelism is not available yet; use 1")
     require(c.train.eval_every >= 0, "train.eval_every", f"must be non-negative, got {c.train.eval_every}")
     require(c.train.eval_batches >= 1, "train.eval_batches", f"must be at least 1, got {c.train.eval_batches}")
@@ -208,6 +208,21 @@ def validate(c: Config, source: str) -> None:
     require(c.logging.peak_tflops is None or c.logging.peak_tflops > 0, "logging.peak_tflops",
             f"must be positive, got {c.logging.peak_tflops}")
     require(c.run.name != "" and "/" not in c.run.name, "run.name", f"must be a plain directory name, got {c.run.name!r}")
+
+
+def _validate_tensor_parallel(c: Config, mixers: set[str], require) -> None:
+    """Tensor parallelism splits heads, SwiGLU hidden units and vocabulary rows evenly over its ranks."""
+    from megabam.model.layers import swiglu_hidden
+
+    m, tp = c.model, c.parallel.tensor
+    splits = [("model.n_heads", m.n_heads), ("model.vocab_size", m.vocab_size),
+              ("model.ffn_hidden", m.ffn_hidden or swiglu_hidden(m.d_model))]
+    if "mlstm" in mixers:
+        splits.append(("model.mlstm.n_heads", m.mlstm.n_heads or m.n_heads))
+    if "gated_deltanet" in mixers:
+        splits.append(("model.gated_deltanet.n_heads", m.gated_deltanet.n_heads or m.n_heads))
+    for key, n in splits:
+        require(n % tp == 0, "parallel.tensor", f"{tp} does not divide {key}={n}")
 
 
 def _validate_swax(c: Config, mixers: set[str], require) -> None:

@@ -109,6 +109,11 @@ class ModelConfig:
     swa: SlidingWindowConfig = doc(SlidingWindowConfig, "Sliding-window attention mixer (`swa`) settings.")
     mlstm: MLstmConfig = doc(MLstmConfig, "mLSTM mixer (`mlstm`) settings.")
     gated_deltanet: GatedDeltaNetConfig = doc(GatedDeltaNetConfig, "Gated DeltaNet mixer (`gated_deltanet`) settings.")
+    kernels: Literal["auto", "triton", "reference"] = doc(
+        "auto",
+        "Attention op: auto = fused Triton kernel on CUDA tensors, PyTorch reference on CPU; triton or reference "
+        "forces one (env MEGABAM_KERNELS overrides; triton on CPU only under TRITON_INTERPRET=1).",
+    )
 
 
 @dataclass

@@ -12,7 +12,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from kernels.bam_attention import EPS, EXP_CAP, bam_attention
+from kernels.bam_attention import EPS, EXP_CAP
+from kernels.dispatch import attention
 from megabam.config.schema import AttentionConfig, ModelConfig
 from megabam.model.positional import AlibiPrior, BamPrior, apply_rope, rope_tables
 
@@ -75,6 +76,7 @@ class Attention(nn.Module):
         self.sliding = sliding
         self.document_aware = a.document_aware
         self.block_size = a.block_size
+        self.kernels = cfg.kernels
 
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         B, N, _ = x.shape
@@ -83,13 +85,13 @@ class Attention(nn.Module):
             cos, sin = rope_tables(N, self.head_dim, self.rope_theta, device=x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         theta_alpha, theta_beta, theta_mu = self.prior() if self.prior is not None else (None, None, None)
-        y = bam_attention(
+        y = attention(
             q, k, v,
             theta_alpha=theta_alpha, theta_beta=theta_beta, theta_mu=theta_mu,
             ssmax_s=self.ssmax_s, ssmax_before_prior=self.ssmax_before_prior,
             doc_ids=seq.doc_ids if self.document_aware else None,
             window=self.window_of(seq),
-            block_size=self.block_size,
+            block_size=self.block_size, kernels=self.kernels,
         )
         return self.out(y.transpose(1, 2).reshape(B, N, -1))
 

@@ -6,8 +6,13 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from megabam.config.loader import ConfigError
 from megabam.config.schema import Config
+from megabam.data.layout import ParallelLayout
 from megabam.model import Decoder
+from megabam.parallel.deepspeed_mpu import DeepSpeedMpu
+from megabam.parallel.tensor_parallel import apply_tp
+from megabam.parallel.topology import Topology
 from megabam.train.optim import build_optimizer, build_scheduler
 
 
@@ -48,14 +53,31 @@ def deepspeed_config(cfg: Config) -> dict:
     }
 
 
-def build_engine(cfg: Config):
-    """Model (seeded), AdamW groups and schedule, wrapped by `deepspeed.initialize`."""
+def build_topology(cfg: Config) -> Topology:
+    """The layout of this launch: tensor and pipeline sizes from the config, data parallelism from the
+    rest of the world."""
+    world, model_parallel = dist.get_world_size(), cfg.parallel.tensor * cfg.parallel.pipeline
+    if world % model_parallel:
+        raise ConfigError("<launch>", "parallel.tensor", f"world size {world} is not a multiple of "
+                          f"parallel.tensor · parallel.pipeline = {model_parallel}")
+    return Topology(ParallelLayout(data=world // model_parallel, tensor=cfg.parallel.tensor,
+                                   pipeline=cfg.parallel.pipeline))
+
+
+def build_engine(cfg: Config, topology: Topology):
+    """Model (seeded; tensor-parallel when the topology says so), AdamW groups and schedule, wrapped
+    by `deepspeed.initialize` with ZeRO over the data-parallel group."""
     torch.manual_seed(cfg.run.seed)
     model = Decoder(cfg.model)
+    if topology.tp_size > 1:
+        # Every rank built the whole model from the seed; each keeps its shards, so TP=k holds exactly
+        # the shards of the TP=1 model.
+        apply_tp(model, topology)
     optimizer = build_optimizer(model, cfg.optim)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
+        mpu=DeepSpeedMpu(topology),
         # A callable, so the schedule wraps the optimizer DeepSpeed actually steps (ZeRO wraps ours).
         lr_scheduler=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.steps),
         config=deepspeed_config(cfg),

@@ -23,10 +23,11 @@ from megabam.data.training_data import TrainingData, prepared_mixture, single_da
 from megabam.eval.passkey import passkey_accuracy
 from megabam.train import checkpoint
 from megabam.train.compatibility import config_changes
-from megabam.train.engine import build_engine, init_distributed
+from megabam.train.engine import build_engine, build_topology, init_distributed
 from megabam.train.logger import RunLogger, head_parameters, peak_tflops
 from megabam.train.plot import plot_loss
 from megabam.model.transformer import expand_pattern
+from megabam.parallel.tensor_parallel import count_parameters
 from megabam.train.preemption import Preempted, PreemptionFlag
 from megabam.train.window_sampler import WindowSampler
 
@@ -101,6 +102,7 @@ def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
     run_dir, resuming = choose_run_directory(cfg, fresh, resume)
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    topology = build_topology(cfg)
     dist.barrier()  # every rank has chosen the directory before rank 0 writes into it
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
     say = print if rank == 0 else (lambda *_: None)
@@ -109,12 +111,16 @@ def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
     tokenizer = Tokenizer(data.tokenizer_path)
     passkey_lengths = cfg.eval.passkey_lengths or [cfg.data.seq_len]
     _check_passkey_lengths(tokenizer, passkey_lengths if cfg.eval.passkey_samples else [])
-    engine, _ = build_engine(cfg)
+    engine, _ = build_engine(cfg, topology)
     checkpoint.use_weights_only_loading(engine)
+    # Tensor- and pipeline-parallel peers (consecutive ranks) read identical samples.
+    replication = topology.layout.replication
     train_loader = build_loader(data.train, micro_batch_size=cfg.train.micro_batch_size, shuffle=True,
-                                seed=cfg.run.seed, num_workers=cfg.data.num_workers, vocab_size=cfg.model.vocab_size)
+                                seed=cfg.run.seed, num_workers=cfg.data.num_workers, vocab_size=cfg.model.vocab_size,
+                                replication=replication)
     val_loader = build_loader(data.val, micro_batch_size=cfg.train.micro_batch_size, shuffle=False,
-                              seed=cfg.run.seed, num_workers=0, vocab_size=cfg.model.vocab_size)
+                              seed=cfg.run.seed, num_workers=0, vocab_size=cfg.model.vocab_size,
+                              replication=replication)
 
     # SWA layers get a window drawn per step (a pure function of seed and step: same on every rank).
     sampler = WindowSampler(cfg.window, cfg.run.seed, cfg.train.steps) if "swa" in expand_pattern(cfg.model.layer_pattern) else None
@@ -132,8 +138,8 @@ def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
     log = RunLogger(cfg, run_dir, start_step, meta.get("wandb_id") if meta else None, enabled=rank == 0)
     try:
         with PreemptionFlag() as preemption:
-            return _loop(cfg, engine, train_loader, val_loader, sampler, tokenizer, run_dir, meta, log, preemption,
-                         device, passkey_lengths)
+            return _loop(cfg, engine, topology, train_loader, val_loader, sampler, tokenizer, run_dir, meta, log,
+                         preemption, device, passkey_lengths)
     finally:
         log.close()
 
@@ -162,13 +168,16 @@ def _resume(engine, train_loader, sampler, cfg: Config, run_dir: Path, say) -> d
     return meta
 
 
-def _loop(cfg, engine, train_loader, val_loader, sampler, tokenizer, run_dir, meta, log, preemption, device, passkey_lengths):
+def _loop(cfg, engine, topology, train_loader, val_loader, sampler, tokenizer, run_dir, meta, log, preemption, device,
+          passkey_lengths):
     rank, world = dist.get_rank(), dist.get_world_size()
     start_step = meta["step"] if meta else 0
     skipped_total = meta.get("skipped_steps", 0) if meta else 0
-    tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_len * world
+    tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_len * topology.dp_size
     model = engine.module
-    flops_per_token = model.flops_per_token(cfg.data.seq_len)
+    # The model holds this rank's tensor-parallel share; times TP for the whole model's FLOPs (the
+    # replicated norms are counted TP times: negligible).
+    flops_per_token = model.flops_per_token(cfg.data.seq_len) * topology.tp_size
     peak = peak_tflops(cfg.logging)
     batches = _endless(train_loader)
     recent_losses: list[float] = []
@@ -209,6 +218,7 @@ def _loop(cfg, engine, train_loader, val_loader, sampler, tokenizer, run_dir, me
         stats = torch.tensor([loss_sum.item(), float(not engine.was_step_applied()), float(preemption.requested)],
                              dtype=torch.float64, device=device)
         dist.all_reduce(stats)
+        # Tensor-parallel peers hold the same loss, so the mean over all ranks is the data-parallel mean.
         loss_value = stats[0].item() / (cfg.train.grad_accum * world)
         done = step + 1
         step_s = time.perf_counter() - t0
@@ -259,7 +269,8 @@ def _loop(cfg, engine, train_loader, val_loader, sampler, tokenizer, run_dir, me
         save(cfg.train.steps)  # a resumed run that had already reached its end
 
     passkey = {}
-    if cfg.eval.passkey_samples and rank == 0:
+    # Every tensor-parallel rank of the first data-parallel replica takes part in the forward passes.
+    if cfg.eval.passkey_samples and topology.dp_rank == 0:
         for n in passkey_lengths:
             passkey[n] = passkey_accuracy(model, tokenizer, n, cfg.eval.passkey_samples, cfg.run.seed, device)
         log.log(cfg.train.steps, {f"passkey_{n}": acc for n, acc in passkey.items()})
@@ -267,11 +278,12 @@ def _loop(cfg, engine, train_loader, val_loader, sampler, tokenizer, run_dir, me
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
     steps_run = cfg.train.steps - start_step
+    params = count_parameters(model, topology)
     return Summary(
         run_dir=str(run_dir), steps=cfg.train.steps, tokens=cfg.train.steps * tokens_per_step, wall_s=wall,
         tokens_per_s=steps_run * tokens_per_step / wall if steps_run else 0.0,
         final_loss=sum(recent_losses) / len(recent_losses) if recent_losses else math.nan, val_loss=val_loss,
-        params=model.num_params(), skipped_steps=skipped_total,
+        params=params, skipped_steps=skipped_total,
         checkpoint=str(checkpoint.checkpoint_root(run_dir) / checkpoint.tag_for(cfg.train.steps)),
         loss_plot=str(run_dir / "loss.png"), passkey=passkey,
     )

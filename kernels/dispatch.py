@@ -1,0 +1,55 @@
+"""The one attention entry point: the fused Triton kernel for CUDA tensors, the PyTorch reference for
+CPU tensors.
+
+The choice can be forced: the config key `model.kernels` (passed here as `kernels`) or the
+environment variable MEGABAM_KERNELS, which wins when set so a run can be switched without editing
+its config. Each choice is logged once per process.
+"""
+import logging
+import os
+from typing import Optional
+
+from torch import Tensor
+
+from kernels.bam_attention import bam_attention
+
+ENV = "MEGABAM_KERNELS"
+MODES = ("auto", "triton", "reference")
+
+log = logging.getLogger(__name__)
+_logged: set = set()
+
+
+def choose(kernels: str, tensor: Tensor) -> str:
+    """'triton' or 'reference' for a call on `tensor` under the configured mode `kernels`."""
+    mode = os.environ.get(ENV) or kernels
+    if mode not in MODES:
+        source = ENV if os.environ.get(ENV) else "model.kernels"
+        raise ValueError(f"{source} must be one of {', '.join(MODES)}, got {mode!r}")
+    choice = mode if mode != "auto" else ("triton" if tensor.is_cuda else "reference")
+    # Off the GPU a Triton launch only works under the interpreter (tests, debugging).
+    if choice == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"Triton kernels on {tensor.device} tensors need TRITON_INTERPRET=1 "
+                           f"(mode {mode!r}); use {ENV}=reference or auto")
+    if (mode, choice) not in _logged:
+        _logged.add((mode, choice))
+        log.info("attention op: %s (mode %s, %s tensors)", choice, mode, tensor.device.type)
+    return choice
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Optional[Tensor] = None,
+              theta_beta: Optional[Tensor] = None, theta_mu: Optional[Tensor] = None,
+              ssmax_s: Optional[Tensor] = None, ssmax_before_prior: bool = False,
+              doc_ids: Optional[Tensor] = None, window: Optional[int] = None,
+              block_size: int = 128, scale: Optional[float] = None, kernels: str = "auto") -> Tensor:
+    """BAM attention (arguments and result of kernels.bam_attention.bam_attention) on the op that
+    `choose(kernels, q)` picks."""
+    if choose(kernels, q) == "triton":
+        # Imported on first use: the CPU path never needs Triton, and the interpreter flag is read
+        # when the kernel module is imported.
+        from kernels.bam_attention_triton import bam_attention_triton as op
+    else:
+        op = bam_attention
+    return op(q, k, v, theta_alpha=theta_alpha, theta_beta=theta_beta, theta_mu=theta_mu,
+              ssmax_s=ssmax_s, ssmax_before_prior=ssmax_before_prior, doc_ids=doc_ids,
+              window=window, block_size=block_size, scale=scale)

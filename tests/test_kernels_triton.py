@@ -1,0 +1,312 @@
+"""The Triton BAM kernel (kernels/bam_attention_triton.py) against the PyTorch reference, on CPU under
+the Triton interpreter, and the dispatch point (kernels/dispatch.py) that chooses between them.
+
+TRITON_INTERPRET=1 is set here, in-process, before the kernel module is imported: triton.jit and
+triton.autotune read it when they decorate a kernel (at import), and Triton reads it again at the
+first launch, so it stays set for the rest of the session (no other test module uses Triton). A
+subprocess per check would be just as correct but pays a torch import (seconds) per check and
+reports failures second-hand; in-process is robust as long as nothing imported the kernel module
+earlier without the flag (the package never does: dispatch imports it lazily), which the assert
+below checks. The one check that needs the flag off (compiling for the GPU) runs in a subprocess.
+
+Reference: kernels.bam_attention in float64 on the same inputs (itself checked against a dense
+float64 formula in tests/test_bam_attention.py). Tolerance on max |error| / (1 + max |reference|)
+per output and gradient: 3e-5 for fp32 inputs, 2e-3 for fp16 inputs (outputs and dq, dk, dv are
+rounded to fp16); measured worst cases 5.4e-6 (dμ) and 4.2e-4 (dq). bf16 (1.5e-2, measured 4.5e-3)
+runs too: loads are upcast to fp32 at once, so the interpreter's wrong bf16 arithmetic is never
+used. Shapes are small (N = 37 and 64, D = 16, interpreter tiles of 16) so the file runs in well
+under two minutes on two cores.
+"""
+import logging
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"
+import kernels.bam_attention_triton as kt  # noqa: E402
+from kernels import dispatch  # noqa: E402
+from kernels.bam_attention import bam_attention  # noqa: E402
+
+assert kt.INTERPRET, "kernels.bam_attention_triton was imported before TRITON_INTERPRET=1 was set"
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+B, H, N, D = 2, 3, 37, 16  # N not a multiple of the interpreter's tile (16) on purpose
+DOCS = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [5] * 3 + [6] * 34])
+TOL = {torch.float32: 3e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+NAMES = ["out", "dq", "dk", "dv", "dalpha", "dbeta", "dmu", "ds"]
+
+
+def make_inputs(dtype, seed=0, n=N):
+    """q, k, v in `dtype` and fp32 (θα, θβ, θμ, s): one inverted (β < 0), one heavy-tailed and one
+    super-Laplace (β > 1) head, the rest drawn at random; all require grad."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for _ in range(3))
+    alpha = -3 * torch.rand(H, generator=g)
+    beta = torch.tensor([-0.7, 0.5, 1.6]) + 0.2 * torch.rand(H, generator=g)
+    mu = torch.rand(H, generator=g) - 0.5
+    s = 0.5 + torch.rand(H, generator=g)
+    return [t.requires_grad_() for t in (q, k, v, alpha, beta, mu, s)]
+
+
+def grads_of(op, ins, kw, wrt, dout):
+    out = op(*ins[:3], **kw)
+    return [out, *torch.autograd.grad(out, [ins[i] for i in wrt], dout.to(out.dtype))]
+
+
+def compare(ins, kw, wrt=range(7), seed=1):
+    """Max relative errors of the kernel's output and gradients (w.r.t. ins[i] for i in wrt) against
+    the float64 reference; asserts they are within TOL of the inputs' dtype."""
+    dtype = ins[0].dtype
+    dout = torch.randn(ins[0].shape, generator=torch.Generator().manual_seed(seed))
+    got = grads_of(kt.bam_attention_triton, ins, kw, wrt, dout)
+    ref_ins = [t.detach().double().requires_grad_() for t in ins]
+    position = {id(t): i for i, t in enumerate(ins)}  # θ arguments map to their float64 copies
+    ref_kw = {key: ref_ins[position[id(val)]] if id(val) in position else val for key, val in kw.items()}
+    want = grads_of(bam_attention, ref_ins, ref_kw, wrt, dout.double())
+    assert got[0].dtype == dtype and all(g.dtype == ins[i].dtype for g, i in zip(got[1:], wrt))
+    names = ["out"] + [NAMES[1 + i] for i in wrt]
+    errors = {}
+    for name, a, b in zip(names, got, want):
+        errors[name] = (a.double() - b).abs().max().item() / (1 + b.abs().max().item())
+    bad = {k: v for k, v in errors.items() if not v <= TOL[dtype]}
+    assert not bad, f"over {TOL[dtype]}: {bad}"
+    return errors
+
+
+def bam_kwargs(ins, ssmax, doc, window):
+    return dict(theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5],
+                ssmax_s=ins[6] if ssmax else None, ssmax_before_prior=ssmax == "before",
+                doc_ids=DOCS if doc else None, window=window)
+
+
+@pytest.mark.parametrize("window", [None, 1, 16, 64])
+@pytest.mark.parametrize("doc", [False, True])
+@pytest.mark.parametrize("ssmax", [None, "after", "before"])
+def test_fp32_matches_reference(ssmax, doc, window):
+    ins = make_inputs(torch.float32, seed=window or 0)
+    compare(ins, bam_kwargs(ins, ssmax, doc, window), wrt=range(7) if ssmax else range(6))
+
+
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("ssmax", [None, "after", "before"])
+def test_fp16_matches_reference(ssmax, window):
+    ins = make_inputs(torch.float16, seed=3)
+    compare(ins, bam_kwargs(ins, ssmax, True, window), wrt=range(7) if ssmax else range(6))
+
+
+@pytest.mark.parametrize("ssmax", [None, "after"])
+def test_bf16_matches_reference(ssmax):
+    ins = make_inputs(torch.bfloat16, seed=3)
+    compare(ins, bam_kwargs(ins, ssmax, True, 16), wrt=range(7) if ssmax else range(6))
+
+
+@pytest.mark.parametrize("ssmax", [None, "after"])
+def test_nope_and_alibi(ssmax):
+    """No prior (NoPE) and ALiBi (β = 1, μ absent): the kernel's prior-less and μ-less paths."""
+    ins = make_inputs(torch.float32, seed=5)
+    s = ins[6] if ssmax else None
+    compare(ins, dict(ssmax_s=s, doc_ids=DOCS), wrt=[0, 1, 2, 6] if ssmax else [0, 1, 2])
+    alibi = [ins[3], torch.ones(H, requires_grad=True)]
+    ins = ins[:3] + alibi + [torch.zeros(H), ins[6]]
+    compare(ins, dict(theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=s, window=16),
+            wrt=[0, 1, 2, 3, 4, 6] if ssmax else range(5))
+
+
+def test_strided_inputs_and_several_tiles():
+    """q, k, v as the attention mixer passes them (a permuted view of one qkv tensor), N = 64."""
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(B, 64, 3, H, D, generator=g).permute(2, 0, 3, 1, 4)
+    q, k, v = (t.requires_grad_() for t in qkv.clone().unbind(0))
+    assert not q.is_contiguous()
+    ins = [q, k, v, *make_inputs(torch.float32, n=64)[3:]]
+    compare(ins, bam_kwargs(ins, "after", False, None))
+
+
+@pytest.mark.parametrize("ssmax", ["after", "before"])
+def test_no_nan_for_wide_theta(ssmax):
+    """The reference's NaN-safety ranges and corners (tests/test_bam_attention.py): all finite."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(B, H, 40, D, generator=g).requires_grad_() for _ in range(3))
+    wide = [lo + (hi - lo) * torch.rand(H, generator=g) for lo, hi in ((-8, 4), (-4, 4), (-2, 2), (0.1, 3))]
+    corners = [torch.tensor(x) for x in ([4.0, 20.0, -30.0], [-30.0, 8.0, 30.0], [0.0, 0.0, 0.0], [1.0] * 3)]
+    docs = torch.arange(40).div(15, rounding_mode="floor").expand(B, -1)
+    for theta in (wide, corners):
+        theta = [t.requires_grad_() for t in theta]
+        out = kt.bam_attention_triton(q, k, v, theta_alpha=theta[0], theta_beta=theta[1], theta_mu=theta[2],
+                                      ssmax_s=theta[3], ssmax_before_prior=ssmax == "before", window=20,
+                                      doc_ids=docs)
+        for t in (out, *torch.autograd.grad(out, [q, k, v, *theta], torch.randn(out.shape, generator=g))):
+            assert torch.isfinite(t).all()
+
+
+def test_no_grad_for_inputs_not_requiring_it():
+    q, k, v, a, b, m, s = make_inputs(torch.float32)
+    out = kt.bam_attention_triton(q, k, v.detach(), theta_alpha=a.detach(), theta_beta=b,
+                                  theta_mu=m.detach(), ssmax_s=s)
+    out.sum().backward()
+    assert v.grad is None and a.grad is None and m.grad is None
+    assert all(t.grad is not None for t in (q, k, b, s))
+
+
+def test_poisoned_outputs_are_overwritten():
+    """Every element of out, lse, dq, dk and dv is written: NaN-filled buffers come back finite and
+    equal to freshly allocated ones."""
+    q, k, v, a, b, m, s = (t.detach() for t in make_inputs(torch.float32))
+    lo, last = kt.key_bounds(DOCS, 16, N, q.device)
+    cfg = (False, D ** -0.5)
+    bufs = []
+    for fill in (0.0, math.nan):
+        out = torch.full((B, H, N, D), fill)
+        lse = torch.full((B, H, N), fill)
+        kt.forward(q, k, v, lo, a, b, m, s, *cfg, out, lse)
+        dq, dk, dv = (torch.full((B, H, N, D), fill) for _ in range(3))
+        dout = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(2))
+        kt.backward(q, k, v, out, dout, lse, lo, last, a, b, m, s, *cfg, dq, dk, dv)
+        bufs.append((out, lse, dq, dk, dv))
+    for clean, poisoned in zip(*bufs):
+        assert torch.isfinite(poisoned).all()
+        torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
+
+
+class _TileSpy:
+    """Counts evaluations of the kernels' per-tile logits (the interpreter calls it as Python)."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.real(*args, **kwargs)
+
+
+@pytest.mark.parametrize("window, tiles", [(None, 10), (1, 4), (16, 7)])
+def test_window_skips_key_tiles(monkeypatch, window, tiles):
+    """N = 64 is 4 row blocks of 16: full causal visits 1+2+3+4 key tiles, a window of w at most
+    ceil((16 + w - 1) / 16) + 1 per block (here 1 for w = 1; 1, 2, 2, 2 for w = 16). Forward and
+    both backward kernels visit the same tiles."""
+    spy = _TileSpy(kt._tile)
+    monkeypatch.setattr(kt, "_tile", spy)
+    q, k, v = (torch.randn(1, 1, 64, D, requires_grad=True) for _ in range(3))
+    out = kt.bam_attention_triton(q, k, v, window=window)
+    assert spy.calls == tiles
+    out.sum().backward()
+    assert spy.calls == 3 * tiles
+
+
+def test_rejects_unsupported_dtype():
+    q = torch.randn(1, 1, 8, D, dtype=torch.float64)
+    with pytest.raises(TypeError, match="fp32, fp16 or bf16"):
+        kt.bam_attention_triton(q, q, q)
+
+
+# --- the dispatch point ----------------------------------------------------------------------------
+
+@pytest.fixture
+def ops(monkeypatch):
+    """Records which op the dispatch point ran ("reference" / "triton") and resets its log-once set."""
+    ran = []
+
+    def spy(name, real):
+        def op(*args, **kwargs):
+            ran.append(name)
+            return real(*args, **kwargs)
+        return op
+
+    monkeypatch.setattr(dispatch, "bam_attention", spy("reference", bam_attention))
+    monkeypatch.setattr(kt, "bam_attention_triton", spy("triton", kt.bam_attention_triton))
+    monkeypatch.setattr(dispatch, "_logged", set())
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return ran
+
+
+def small_call(kernels="auto"):
+    q, k, v, a, b, m, s = (t.detach() for t in make_inputs(torch.float32))
+    return dispatch.attention(q, k, v, theta_alpha=a, theta_beta=b, ssmax_s=s, window=16, kernels=kernels)
+
+
+def test_dispatch_picks_reference_on_cpu_and_logs_once(ops, caplog):
+    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        small_call()
+        small_call()
+    assert ops == ["reference", "reference"]
+    assert [r.getMessage() for r in caplog.records] == ["attention op: reference (mode auto, cpu tensors)"]
+
+
+def test_dispatch_forced_triton_runs_the_kernel(ops, monkeypatch):
+    ref = small_call("reference")
+    got = small_call("triton")
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    small_call("auto")
+    monkeypatch.setenv(dispatch.ENV, "reference")  # the environment wins over the config
+    small_call("triton")
+    assert ops == ["reference", "triton", "triton", "reference"]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_refuses_triton_on_cpu_without_interpreter(ops, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="need TRITON_INTERPRET=1"):
+        small_call("triton")
+    monkeypatch.setenv(dispatch.ENV, "fast")
+    with pytest.raises(ValueError, match="MEGABAM_KERNELS must be one of auto, triton, reference"):
+        small_call()
+    assert ops == []
+
+
+def test_model_kernels_config_reaches_the_mixer(ops):
+    from megabam.config import ConfigError, load_config
+    from megabam.model.attention import SequenceInfo, build_attention
+
+    with pytest.raises(ConfigError, match="model.kernels: 'gpu' is not one of auto, triton, reference"):
+        load_config(None, ["model.kernels=gpu"])
+    cfg = load_config(None, ["model.kernels=triton", "model.d_model=32", "model.n_heads=2"]).model
+    layer = build_attention(cfg, {})
+    layer(torch.randn(1, 20, 32), SequenceInfo())
+    assert ops == ["triton"]
+
+
+# --- the compiled (GPU) path -----------------------------------------------------------------------
+
+COMPILE_FOR_H100 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels.bam_attention_triton as kt
+
+flags = dict(HAS_PRIOR=True, HAS_SSMAX=True, BEFORE=False, UPCAST=False, PRECISION="tf32", BLOCK_D=128,
+             BLOCK_M=64, BLOCK_N=64)
+fp32 = ("O", "LSE", "DELTA", "PARTIAL", "ALPHA", "BETA", "MU", "S")
+for kernel, extra in [(kt._fwd_kernel, {}), (kt._bwd_dkdv_kernel, {}), (kt._bwd_dq_kernel, {"HAS_MU": True})]:
+    fn, consts = kernel.fn, {**flags, **extra}
+    sig = {a: "constexpr" if a in consts else "fp32" if a == "scale" else "*i32" if a in ("LO", "LAST")
+           else "*fp32" if a in fp32 else "*bf16" if a[0].isupper() and a not in ("H", "N", "D") else "i32"
+           for a in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_the_gpu():
+    """The tests above run the kernels as Python; this compiles them (bf16, all features on) for an
+    sm_90 GPU, without one, to catch what only the compiler rejects (e.g. non-constexpr globals)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "compiled", done.stderr[-3000:]
+
+
+def test_bench_dry_run():
+    """tools/bench_kernels.py (for the GPU) runs its whole path at tiny shapes on CPU."""
+    done = subprocess.run([sys.executable, "tools/bench_kernels.py", "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "check bam dv: max rel err" in done.stdout and "| 48 | 16 | fwd+bwd | bam |" in done.stdout
