@@ -1,5 +1,6 @@
-"""Tensor parallelism end to end through `megabam train` under torchrun (gloo): TP=2 and DP=2 × TP=2
-against the single-process run, one model file per tensor rank, ZeRO shards per data-parallel rank,
+"""Tensor parallelism end to end through `megabam train` under torchrun (gloo): TP=2 (with full
+activation recomputation) and DP=2 × TP=2 (ZeRO-2, selective recomputation) against the plain
+single-process run, one model file per tensor rank, ZeRO shards per data-parallel rank,
 an exact resume, and a world size the layout does not divide."""
 import shutil
 
@@ -26,7 +27,8 @@ def reference(tmp_path_factory, data_cache):
 
 def test_tensor_parallel_training_matches_one_process_and_resumes(tmp_path, data_cache, reference):
     reference_losses, reference_params = reference
-    two = megabam_train(tmp_path, data_cache, "run.name=tp2", "parallel.tensor=2", *RUN, nproc=2)
+    # with full activation recomputation on top: it must not change the result either
+    two = megabam_train(tmp_path, data_cache, "run.name=tp2", "parallel.tensor=2", "parallel.recompute=full", *RUN, nproc=2)
     assert _parameters_line(two) == reference_params  # the whole model, not rank 0's shard
     parallel = losses(tmp_path / "tp2")
     assert sorted(parallel) == list(range(1, 7))
@@ -39,7 +41,8 @@ def test_tensor_parallel_training_matches_one_process_and_resumes(tmp_path, data
     part = tmp_path / "part"
     shutil.copytree(tmp_path / "tp2", part)
     shutil.rmtree(part / "checkpoints" / "step_00000006")
-    resumed = megabam_train(tmp_path, data_cache, "run.name=part", "parallel.tensor=2", *RUN, nproc=2, resume=True)
+    resumed = megabam_train(tmp_path, data_cache, "run.name=part", "parallel.tensor=2", "parallel.recompute=full", *RUN,
+                            nproc=2, resume=True)
     assert "resumed from" in resumed.stdout + resumed.stderr
     continued = losses(part)
     for step in range(4, 7):
@@ -51,7 +54,7 @@ def test_two_data_parallel_by_two_tensor_parallel_ranks_with_zero2_match_one_pro
     half of each global batch each, so micro-batch 2 reproduces the reference's micro-batch 4."""
     reference_losses, _ = reference
     megabam_train(tmp_path, data_cache, "run.name=dp2tp2", "parallel.tensor=2", "parallel.zero_stage=2",
-                  "train.micro_batch_size=2", *RUN, nproc=4)
+                  "parallel.recompute=selective", "train.micro_batch_size=2", *RUN, nproc=4)
     parallel = losses(tmp_path / "dp2tp2")
     for step in range(1, 7):
         assert parallel[step] == pytest.approx(reference_losses[step], rel=LOSS_RTOL), step

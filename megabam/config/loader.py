@@ -203,6 +203,10 @@ def validate(c: Config, source: str) -> None:
     # DeepSpeed skips a non-finite update only inside its ZeRO optimizer (stage 1 or 2).
     require(c.parallel.zero_stage >= 1 or (c.train.max_bad_steps == 0 and not c.train.debug_nan_steps),
             "parallel.zero_stage", "stage 0 cannot skip non-finite steps; use 1 or 2, or set train.max_bad_steps=0")
+    from megabam.model.transformer import MIXERS
+
+    for i, name in enumerate(c.parallel.recompute_mixers):
+        require(name in MIXERS, f"parallel.recompute_mixers[{i}]", f"unknown mixer {name!r} (known: {', '.join(MIXERS)})")
     require(c.checkpoint.keep >= 1, "checkpoint.keep", f"must be at least 1, got {c.checkpoint.keep}")
     require(c.checkpoint.every >= 0, "checkpoint.every", f"must be non-negative, got {c.checkpoint.every}")
     require(c.logging.peak_tflops is None or c.logging.peak_tflops > 0, "logging.peak_tflops",

@@ -133,6 +133,12 @@ class ParallelConfig:
     tensor: int = doc(1, "Tensor-parallel size.")
     pipeline: int = doc(1, "Pipeline-parallel size.")
     zero_stage: int = doc(1, "DeepSpeed ZeRO stage (0, 1, 2) over the data-parallel group.")
+    recompute: Literal["none", "selective", "full"] = doc(
+        "none", "Activation recomputation: none; selective = the mixers named in recompute_mixers; full = every block."
+    )
+    recompute_mixers: list[str] = doc(
+        ["attention", "swa", "mlstm", "gated_deltanet"], "Mixer types recomputed when recompute=selective."
+    )
 
 
 @dataclass

@@ -10,6 +10,7 @@ from megabam.config.loader import ConfigError
 from megabam.config.schema import Config
 from megabam.data.layout import ParallelLayout
 from megabam.model import Decoder
+from megabam.parallel.activation_checkpoint import apply_ac
 from megabam.parallel.deepspeed_mpu import DeepSpeedMpu
 from megabam.parallel.tensor_parallel import apply_tp
 from megabam.parallel.topology import Topology
@@ -73,6 +74,7 @@ def build_engine(cfg: Config, topology: Topology):
         # Every rank built the whole model from the seed; each keeps its shards, so TP=k holds exactly
         # the shards of the TP=1 model.
         apply_tp(model, topology)
+    apply_ac(model, cfg.parallel.recompute, cfg.parallel.recompute_mixers)
     optimizer = build_optimizer(model, cfg.optim)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
