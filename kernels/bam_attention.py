@@ -169,6 +169,16 @@ class _BAMAttention(torch.autograd.Function):
                   for i, (g, t) in enumerate(grads)), None, None, None, None)
 
 
+def check_arguments(theta_alpha, theta_beta, theta_mu, window) -> None:
+    """The argument rules every implementation of the op shares."""
+    if (theta_alpha is None) != (theta_beta is None):
+        raise ValueError("theta_alpha and theta_beta must be given together")
+    if theta_mu is not None and theta_alpha is None:
+        raise ValueError("theta_mu needs theta_alpha and theta_beta")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+
+
 def bam_attention(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Optional[Tensor] = None,
                   theta_beta: Optional[Tensor] = None, theta_mu: Optional[Tensor] = None,
                   ssmax_s: Optional[Tensor] = None, ssmax_before_prior: bool = False,
@@ -186,12 +196,7 @@ def bam_attention(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Optional[Tens
     (q·k·scale + prior)·s·ln n_i, or q·k·scale·s·ln n_i + prior if ssmax_before_prior.
     scale defaults to 1/sqrt(D). Gradients flow to q, k, v and to every θ / s that requires grad.
     """
-    if (theta_alpha is None) != (theta_beta is None):
-        raise ValueError("theta_alpha and theta_beta must be given together")
-    if theta_mu is not None and theta_alpha is None:
-        raise ValueError("theta_mu needs theta_alpha and theta_beta")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    check_arguments(theta_alpha, theta_beta, theta_mu, window)
     N, D = q.shape[-2:]
     lo = _key_start(doc_ids, window, N, q.device)
     scale = D ** -0.5 if scale is None else float(scale)

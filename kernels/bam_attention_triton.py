@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from kernels.bam_attention import EPS, EXP_CAP, _key_start
+from kernels.bam_attention import EPS, EXP_CAP, _key_start, check_arguments
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The interpreter runs ~1-3 ms per tile iteration whatever the tile size, and autotune with more than
@@ -384,12 +384,7 @@ def bam_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Option
     returned in q's dtype. block_size is accepted for signature parity and unused: the kernels' tiles
     come from autotuning (16 when interpreting).
     """
-    if (theta_alpha is None) != (theta_beta is None):
-        raise ValueError("theta_alpha and theta_beta must be given together")
-    if theta_mu is not None and theta_alpha is None:
-        raise ValueError("theta_mu needs theta_alpha and theta_beta")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    check_arguments(theta_alpha, theta_beta, theta_mu, window)
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"the Triton BAM kernel takes fp32, fp16 or bf16 q, k, v of one dtype, got "
                         f"{q.dtype}, {k.dtype}, {v.dtype}")
