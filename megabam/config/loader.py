@@ -190,6 +190,7 @@ def validate(c: Config, source: str) -> None:
     _validate_streams(c.data, require)
     require(c.parallel.zero_stage in (0, 1, 2), "parallel.zero_stage", f"must be 0, 1 or 2, got {c.parallel.zero_stage}")
     _validate_tensor_parallel(c, set(period), require)
+    _validate_sequence_parallel(c, require)
     # Pipeline parallelism is not built yet; refuse it here rather than ignore it.
     require(c.parallel.pipeline == 1, "parallel.pipeline", "pipeline parallelism is not available yet; use 1")
     require(c.train.eval_every >= 0, "train.eval_every", f"must be non-negative, got {c.train.eval_every}")
@@ -227,6 +228,20 @@ def _validate_tensor_parallel(c: Config, mixers: set[str], require) -> None:
         splits.append(("model.gated_deltanet.n_heads", m.gated_deltanet.n_heads or m.n_heads))
     for key, n in splits:
         require(n % tp == 0, "parallel.tensor", f"{tp} does not divide {key}={n}")
+
+
+def _validate_sequence_parallel(c: Config, require) -> None:
+    """Sequence parallelism shards the sequences of training, validation and passkey scoring over the TP ranks."""
+    if not c.parallel.sequence_parallel:
+        return
+    tp = c.parallel.tensor
+    require(tp > 1, "parallel.sequence_parallel", "needs tensor parallelism: set parallel.tensor > 1")
+    require(c.data.seq_len % tp == 0, "parallel.sequence_parallel",
+            f"parallel.tensor={tp} does not divide data.seq_len={c.data.seq_len}")
+    if c.eval.passkey_samples:
+        for i, n in enumerate(c.eval.passkey_lengths):
+            require(n % tp == 0, "parallel.sequence_parallel",
+                    f"parallel.tensor={tp} does not divide eval.passkey_lengths[{i}]={n}")
 
 
 def _validate_swax(c: Config, mixers: set[str], require) -> None:

@@ -132,6 +132,10 @@ class WindowConfig:
 class ParallelConfig:
     tensor: int = doc(1, "Tensor-parallel size.")
     pipeline: int = doc(1, "Pipeline-parallel size.")
+    sequence_parallel: bool = doc(
+        False, "Megatron sequence parallelism on top of tensor parallelism: norms and residuals hold "
+        "sequence shards (N/tensor tokens per rank); needs tensor > 1 and sequence lengths divisible by tensor."
+    )
     zero_stage: int = doc(1, "DeepSpeed ZeRO stage (0, 1, 2) over the data-parallel group.")
     recompute: Literal["none", "selective", "full"] = doc(
         "none", "Activation recomputation: none; selective = the mixers named in recompute_mixers; full = every block."

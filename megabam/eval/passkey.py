@@ -25,8 +25,10 @@ def passkey_accuracy(model, tokenizer: Tokenizer, n_tokens: int, n_samples: int,
         answer_len = len(tokenizer.encode(f" {key}"))
         sample = passkey_sample(tokenizer, n_tokens - answer_len, i / max(1, n_samples - 1), key)
         ids = torch.tensor([sample.prompt_ids + sample.answer_ids], device=device)
-        logits = model(ids[:, :-1])
-        predicted = logits[0, -len(sample.answer_ids):].argmax(-1)
+        # All n tokens go in (the last position's logits go unused) so that a sequence-parallel model,
+        # which needs lengths divisible by its TP size, scores n = data.seq_len as it trains.
+        logits = model(ids)
+        predicted = logits[0, -len(sample.answer_ids) - 1:-1].argmax(-1)
         hits += int(predicted.tolist() == sample.answer_ids)
     model.train(was_training)
     return hits / n_samples

@@ -11,10 +11,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: bf16 sums of squares lose too much precision at large widths.
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).type_as(x)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) · weight over the last dimension (a function so sequence parallelism can pass a
+    weight wrapped for its gradient all-reduce)."""
+    # Normalise in fp32: bf16 sums of squares lose too much precision at large widths.
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).type_as(x)
 
 
 class SwiGLU(nn.Module):

@@ -86,3 +86,14 @@ def sinusoidal_table(seq_len: int, dim: int, device=None, start: int = 0) -> tor
     table[:, 0::2] = torch.sin(position * inv_freq)
     table[:, 1::2] = torch.cos(position * inv_freq[: dim // 2])
     return table
+
+
+class SinusoidalPositions(nn.Module):
+    """Adds the sinusoidal embeddings of positions start.. to token embeddings x (B, N, d).
+
+    A module, not a call in the decoder, so sequence parallelism can swap in one that offsets `start`
+    by the position of this rank's sequence shard.
+    """
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        return x + sinusoidal_table(x.shape[1], x.shape[-1], device=x.device, start=start).to(x.dtype)

@@ -15,7 +15,7 @@ from megabam.model.attention import SequenceInfo, build_attention, build_sliding
 from megabam.model.gated_deltanet import build_gated_deltanet
 from megabam.model.layers import RMSNorm, SwiGLU, swiglu_hidden
 from megabam.model.mlstm import build_mlstm
-from megabam.model.positional import sinusoidal_table
+from megabam.model.positional import SinusoidalPositions
 
 # mixer name → builder(model config, dict of modules shared across layers) → nn.Module called as
 # mixer(x, SequenceInfo), with stream(x, state, SequenceInfo) → (y, state) for recurrent inference and
@@ -98,6 +98,7 @@ class Decoder(nn.Module):
         # Sinusoidal positions are added to the embeddings, so they serve every layer when any attention
         # section in use asks for them.
         self.sinusoidal = any(getattr(b.mixer, "positional", None) == "sinusoidal" for b in self.blocks)
+        self.positions = SinusoidalPositions()
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -121,7 +122,7 @@ class Decoder(nn.Module):
         the window sampler); None = model.swa.window. Full attention layers ignore it."""
         x = self.embed(input_ids)
         if self.sinusoidal:
-            x = x + sinusoidal_table(input_ids.shape[1], x.shape[-1], device=x.device).to(x.dtype)
+            x = self.positions(x)
         seq = SequenceInfo(doc_ids=doc_ids, window=window)
         for block in self.blocks:
             x = block(x, seq)
@@ -147,7 +148,7 @@ class Decoder(nn.Module):
         layer_states = [None] * len(self.blocks) if state is None else state.layers
         x = self.embed(input_ids)
         if self.sinusoidal:
-            x = x + sinusoidal_table(input_ids.shape[1], x.shape[-1], device=x.device, start=start).to(x.dtype)
+            x = self.positions(x, start)
         seq = SequenceInfo(window=window)
         new_states = []
         for block, layer_state in zip(self.blocks, layer_states):

@@ -66,8 +66,13 @@ class ColumnParallelLinear(nn.Module):
         bias = None if linear.bias is None else shard(linear.bias, 0, r, k, parts)
         return cls(shard(linear.weight, 0, r, k, parts), bias, topology.tp_group)
 
+    def enter(self, x: Tensor) -> Tensor:
+        """The input as this region sees it (under sequence parallelism the norm before the region has
+        already gathered it, and this is the identity)."""
+        return copy_to_tensor_region(x, self.group)
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(copy_to_tensor_region(x, self.group), self.weight, self.bias)
+        return F.linear(self.enter(x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -85,8 +90,12 @@ class RowParallelLinear(nn.Module):
             raise ValueError("RowParallelLinear takes linears without bias")
         return cls(shard(linear.weight, 1, topology.tp_rank, topology.tp_size), topology.tp_group)
 
+    def leave(self, partial: Tensor) -> Tensor:
+        """The sum of the ranks' partial outputs (sequence parallelism keeps one sequence shard of it)."""
+        return reduce_from_tensor_region(partial, self.group)
+
     def forward(self, x: Tensor) -> Tensor:
-        return reduce_from_tensor_region(F.linear(x, self.weight), self.group)
+        return self.leave(F.linear(x, self.weight))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -102,7 +111,11 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
-        return reduce_from_tensor_region(x, self.group)
+        return self.leave(x)
+
+    def leave(self, partial: Tensor) -> Tensor:
+        """The sum of the ranks' partial embeddings (sequence parallelism keeps one sequence shard of it)."""
+        return reduce_from_tensor_region(partial, self.group)
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, vocab_start: int, group) -> Tensor:
@@ -136,8 +149,13 @@ class VocabParallelOutput(nn.Module):
         self.vocab_start = vocab_start
         self.group = group
 
+    def enter(self, h: Tensor) -> Tensor:
+        """The final hidden states as the head sees them (the identity under sequence parallelism, whose
+        final norm gathers the sequence)."""
+        return copy_to_tensor_region(h, self.group)
+
     def forward(self, h: Tensor, weight: Tensor, labels=None) -> Tensor:
-        logits = F.linear(copy_to_tensor_region(h, self.group), weight)
+        logits = F.linear(self.enter(h), weight)
         if labels is None:
             return gather_from_tensor_region(logits, self.group)
         return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.group)

@@ -12,6 +12,7 @@ from megabam.data.layout import ParallelLayout
 from megabam.model import Decoder
 from megabam.parallel.activation_checkpoint import apply_ac
 from megabam.parallel.deepspeed_mpu import DeepSpeedMpu
+from megabam.parallel.sequence_parallel import apply_sp
 from megabam.parallel.tensor_parallel import apply_tp
 from megabam.parallel.topology import Topology
 from megabam.train.optim import build_optimizer, build_scheduler
@@ -66,14 +67,16 @@ def build_topology(cfg: Config) -> Topology:
 
 
 def build_engine(cfg: Config, topology: Topology):
-    """Model (seeded; tensor-parallel when the topology says so), AdamW groups and schedule, wrapped
-    by `deepspeed.initialize` with ZeRO over the data-parallel group."""
+    """Model (seeded; tensor-parallel when the topology says so, sequence-parallel too when configured),
+    AdamW groups and schedule, wrapped by `deepspeed.initialize` with ZeRO over the data-parallel group."""
     torch.manual_seed(cfg.run.seed)
     model = Decoder(cfg.model)
     if topology.tp_size > 1:
         # Every rank built the whole model from the seed; each keeps its shards, so TP=k holds exactly
         # the shards of the TP=1 model.
         apply_tp(model, topology)
+        if cfg.parallel.sequence_parallel:
+            apply_sp(model, topology)
     apply_ac(model, cfg.parallel.recompute, cfg.parallel.recompute_mixers)
     optimizer = build_optimizer(model, cfg.optim)
     engine, _, _, scheduler = deepspeed.initialize(
