@@ -51,12 +51,13 @@ def _train(args) -> int:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from megabam.data.errors import DataError
     from megabam.train.preemption import EXIT_PREEMPTED, Preempted
     from megabam.train.trainer import RunDirError, TooManyBadSteps, train
 
     try:
         summary = train(cfg, fresh=args.fresh, resume=args.resume)
-    except (RunDirError, ConfigError) as e:
+    except (RunDirError, ConfigError, DataError) as e:  # DataError: a bad sample met while streaming
         print(f"megabam: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except TooManyBadSteps as e:

@@ -33,13 +33,9 @@ _CHUNK_DOCS = 256
 
 
 @dataclass
-class PrepareSummary:
-    """What one ``prepare`` run read and wrote."""
+class PrepareSummary(SourceStats):
+    """What one ``prepare`` run read (the reader's counts, filled in directly) and wrote."""
 
-    files: int = 0
-    documents: int = 0
-    empty_skipped: int = 0
-    bad_utf8: int = 0
     long_documents_split: int = 0
     tokens: int = 0
     tokens_dropped: int = 0
@@ -96,10 +92,9 @@ def prepare_dataset(
     paths = expand_inputs(inputs)
     tokenizer = load_tokenizer(tokenizer_path)
     sample_len = seq_len + 1
-    source_stats = SourceStats()
     summary = PrepareSummary()
     start = time.perf_counter()
-    docs = read_documents(paths, text_field=text_field, text_unit=text_unit, on_bad_utf8=on_bad_utf8, stats=source_stats)
+    docs = read_documents(paths, text_field=text_field, text_unit=text_unit, on_bad_utf8=on_bad_utf8, stats=summary)
     bar = _progress_bar(progress)
     with staged_output(out, overwrite) as tmp:
         writers = {s: open_mds_writer(tmp / s, compression, size_limit) for s in SPLITS}
@@ -122,8 +117,6 @@ def prepare_dataset(
         finally:
             if bar is not None:
                 bar.close()
-        summary.files, summary.documents = source_stats.files, source_stats.documents
-        summary.empty_skipped, summary.bad_utf8 = source_stats.empty_skipped, source_stats.bad_utf8
         if summary.documents == 0:
             raise DataError(f"inputs {' '.join(inputs)} hold no non-empty document")
         summary.tokens_dropped = sum(p.pending for p in packers.values())

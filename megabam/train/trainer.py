@@ -215,8 +215,8 @@ def _loop(cfg, engine, topology, train_loader, val_loader, sampler, tokenizer, r
             loss_sum += loss.detach().double()
         # One collective per step: the loss, whether DeepSpeed applied the update (it skips one
         # whose gradient norm is not finite, on every rank alike), and whether any rank was signalled.
-        stats = torch.tensor([loss_sum.item(), float(not engine.was_step_applied()), float(preemption.requested)],
-                             dtype=torch.float64, device=device)
+        flags = torch.tensor([not engine.was_step_applied(), preemption.requested], dtype=torch.float64, device=device)
+        stats = torch.cat([loss_sum.reshape(1), flags])  # built on the device: no sync before the collective
         dist.all_reduce(stats)
         # Tensor-parallel peers hold the same loss, so the mean over all ranks is the data-parallel mean.
         loss_value = stats[0].item() / (cfg.train.grad_accum * world)
