@@ -1,2 +1,3 @@
-"""Attention kernels: the pure-PyTorch BAM reference (CPU path), the fused Triton kernels tested
-against it (GPU path), and the dispatch point that chooses between them."""
+"""Kernels beside their references: BAM attention and the chunkwise mLSTM cell, each as a pure-PyTorch
+reference (CPU path) and Triton kernels tested against it (GPU path), and the dispatch point that
+chooses between them."""

@@ -1,9 +1,9 @@
-"""The one attention entry point: the fused Triton kernel for CUDA tensors, the PyTorch reference for
-CPU tensors.
+"""The entry points of the ops that have Triton kernels (BAM attention, the chunkwise mLSTM cell): the
+kernel for CUDA tensors, the PyTorch reference for CPU tensors.
 
 The choice can be forced: the config key `model.kernels` (passed here as `kernels`) or the
 environment variable MEGABAM_KERNELS, which wins when set so a run can be switched without editing
-its config. Each choice is logged once per process.
+its config. Each op's choice is logged once per process (per mode and choice).
 """
 import logging
 import os
@@ -12,6 +12,8 @@ from typing import Optional
 from torch import Tensor
 
 from kernels.bam_attention import bam_attention
+from kernels.mlstm import MLstmState
+from kernels.mlstm import mlstm_chunkwise as mlstm_chunkwise_reference
 
 ENV = "MEGABAM_KERNELS"
 MODES = ("auto", "triton", "reference")
@@ -20,8 +22,8 @@ log = logging.getLogger(__name__)
 _logged: set = set()
 
 
-def choose(kernels: str, tensor: Tensor) -> str:
-    """'triton' or 'reference' for a call on `tensor` under the configured mode `kernels`."""
+def choose(kernels: str, tensor: Tensor, op: str = "attention") -> str:
+    """'triton' or 'reference' for a call of `op` on `tensor` under the configured mode `kernels`."""
     mode = os.environ.get(ENV) or kernels
     if mode not in MODES:
         source = ENV if os.environ.get(ENV) else "model.kernels"
@@ -31,9 +33,9 @@ def choose(kernels: str, tensor: Tensor) -> str:
     if choice == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"Triton kernels on {tensor.device} tensors need TRITON_INTERPRET=1 "
                            f"(mode {mode!r}); use {ENV}=reference or auto")
-    if (mode, choice) not in _logged:
-        _logged.add((mode, choice))
-        log.info("attention op: %s (mode %s, %s tensors)", choice, mode, tensor.device.type)
+    if (op, mode, choice) not in _logged:
+        _logged.add((op, mode, choice))
+        log.info("%s op: %s (mode %s, %s tensors)", op, choice, mode, tensor.device.type)
     return choice
 
 
@@ -53,3 +55,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Optional[Tensor] 
     return op(q, k, v, theta_alpha=theta_alpha, theta_beta=theta_beta, theta_mu=theta_mu,
               ssmax_s=ssmax_s, ssmax_before_prior=ssmax_before_prior, doc_ids=doc_ids,
               window=window, block_size=block_size, scale=scale)
+
+
+def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float, chunk_size: int,
+                    state: Optional[MLstmState] = None, *, kernels: str = "auto") -> tuple[Tensor, MLstmState]:
+    """The chunkwise mLSTM cell (arguments and result of kernels.mlstm.mlstm_chunkwise) on the op that
+    `choose(kernels, q, "mlstm")` picks."""
+    if choose(kernels, q, "mlstm") == "triton":
+        from kernels.mlstm_triton import mlstm_chunkwise_triton as op  # lazily, as for attention
+    else:
+        op = mlstm_chunkwise_reference
+    return op(q, k, v, i, f, eps, chunk_size, state)

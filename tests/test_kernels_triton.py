@@ -3,7 +3,7 @@ the Triton interpreter, and the dispatch point (kernels/dispatch.py) that choose
 
 TRITON_INTERPRET=1 is set here, in-process, before the kernel module is imported: triton.jit and
 triton.autotune read it when they decorate a kernel (at import), and Triton reads it again at the
-first launch, so it stays set for the rest of the session (no other test module uses Triton). A
+first launch, so it stays set for the rest of the session (tests/test_mlstm_triton.py sets it the same way). A
 subprocess per check would be just as correct but pays a torch import (seconds) per check and
 reports failures second-hand; in-process is robust as long as nothing imported the kernel module
 earlier without the flag (the package never does: dispatch imports it lazily), which the assert
@@ -305,8 +305,10 @@ def test_kernels_compile_for_the_gpu():
 
 
 def test_bench_dry_run():
-    """tools/bench_kernels.py (for the GPU) runs its whole path at tiny shapes on CPU."""
+    """tools/bench_kernels.py (for the GPU) runs its whole path, attention and mLSTM, at tiny shapes on CPU."""
     done = subprocess.run([sys.executable, "tools/bench_kernels.py", "--dry-run"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "check bam dv: max rel err" in done.stdout and "| 48 | 16 | fwd+bwd | bam |" in done.stdout
+    assert "check mlstm bfloat16 df: max rel err" in done.stdout
+    assert "| 40 | fwd+bwd | triton | bfloat16 |" in done.stdout

@@ -8,7 +8,8 @@ import torch
 
 from megabam.config import load_config
 from megabam.model.attention import SequenceInfo
-from megabam.model.mlstm import MLstm, mlstm_chunkwise, mlstm_parallel, mlstm_recurrent
+from kernels.mlstm import mlstm_chunkwise, mlstm_parallel, mlstm_recurrent
+from megabam.model.mlstm import MLstm
 
 EPS = 1e-6
 B, H, N, DQK, DV = 2, 3, 13, 4, 6

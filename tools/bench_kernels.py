@@ -1,7 +1,9 @@
-"""Speed of the fused Triton BAM attention kernel against PyTorch SDPA, FlexAttention and the reference.
+"""Speed of the fused Triton BAM attention kernel against PyTorch SDPA, FlexAttention and the reference,
+and of the chunkwise mLSTM kernels against the PyTorch chunkwise form.
 
-Prepared for one GPU (H200; estimated, not yet measured, at about 5 minutes with the defaults, under
-the 8 the kernels issue allows; --variants drops variants if time is short):
+Prepared for one GPU (H200; estimated, not yet measured, at about 5 minutes for attention and 1.5 for
+the mLSTM with the defaults, under the 8 the kernels issue allows; --variants drops attention
+variants and --mlstm-lengths with no value drops the mLSTM rows if time is short):
 
     python tools/bench_kernels.py
 
@@ -14,10 +16,20 @@ the 8 the kernels issue allows; --variants drops variants if time is short):
    flex      torch.compile'd FlexAttention with the prior and SSMax as a score_mod, causal block mask;
    ref       the pure-PyTorch tiled op (kernels/bam_attention.py), query blocks of 128.
    Then the kernel with sliding windows --windows against full causal at the longest length.
+3. mLSTM, the model's shape per TP rank: batch 1 × 8 heads, d_qk 128, d_v 256, chunk 64, N in
+   --mlstm-lengths (16,384). First the kernels (fp32 and bf16 q, k, v) against the PyTorch chunkwise
+   form (kernels/mlstm.py, fp32 on the same values): h and the gradients of q, k, v, i, f, stopping
+   with exit code 1 beyond 1e-3 (fp32) or 3e-2 (bf16) relative. Then, forward and forward+backward
+   (gradients of q, k, v, i, f):
+   triton    the kernels (kernels/mlstm_triton.py) on fp32 inputs, as the model feeds them (exact
+             fp32 dots), and on bf16 inputs (TF32 dots; state and accumulation fp32 either way);
+   ref       the PyTorch chunkwise form on fp32 inputs, a Python loop over chunks.
 Each line is timed forward and forward+backward (median of CUDA-event timings). TFLOP/s count the
-useful work, 4·D·Σ n_i per head forward (n_i keys row i sees) and 2.5× that more for the backward,
-the same for every variant, so the TFLOP/s ratio is the speed ratio. A variant that fails prints
-its error and gets NaN in its cell rather than ending the run.
+useful work, the same for every variant of an op, so the TFLOP/s ratio is the speed ratio: for
+attention 4·D·Σ n_i per head forward (n_i keys row i sees) and 2.5× that more for the backward; for
+the mLSTM what MLstm.flops_per_token counts, N·(chunk·(d_qk + d_v) + 4·d_qk·d_v) per head forward
+and 2× that more for the backward. A variant that fails prints its error and gets NaN in its cell
+rather than ending the run.
 
 --dry-run runs the same code path on CPU at tiny shapes (fp32, the Triton interpreter, eager
 FlexAttention) to prove it end to end without a GPU; its timings mean nothing.
@@ -31,6 +43,7 @@ import time
 
 HEADS, BATCH, DIM = 16, 1, 128
 VARIANTS = ("bam", "sdpa", "flex", "ref")
+MLSTM_HEADS, MLSTM_DIMS, MLSTM_CHUNK = 8, (128, 256), 64
 
 
 def parse_args():
@@ -42,16 +55,25 @@ def parse_args():
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per cell (median)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                    help="which variants to time (the kernel's full causal run is always timed)")
+    p.add_argument("--mlstm-lengths", type=int, nargs="*", default=[16384],
+                   help="sequence lengths of the mLSTM rows (none: no mLSTM rows)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     args = p.parse_args()
+    args.mlstm_shape = (MLSTM_HEADS, *MLSTM_DIMS, MLSTM_CHUNK)  # heads, d_qk, d_v, chunk
     if args.dry_run:
         args.lengths, args.windows, args.heads, args.dim, args.reps = [32, 48], [8, 16], 2, 16, 1
+        args.mlstm_lengths, args.mlstm_shape = [40], (2, 16, 32, 16)
     return args
 
 
 def flops(n: int, window, heads: int, dim: int, backward: bool) -> float:
     keys = sum(min(i + 1, window or n) for i in range(n))  # Σ n_i over the rows
     return 4 * dim * keys * heads * BATCH * (3.5 if backward else 1.0)
+
+
+def mlstm_flops(n: int, shape, backward: bool) -> float:
+    heads, dqk, dv, chunk = shape
+    return n * (min(chunk, n) * (dqk + dv) + 4 * dqk * dv) * heads * BATCH * (3.0 if backward else 1.0)
 
 
 class Bench:
@@ -64,6 +86,9 @@ class Bench:
         from kernels.bam_attention import bam_attention
         from kernels.bam_attention_triton import bam_attention_triton
         self.reference, self.fused = bam_attention, bam_attention_triton
+        from kernels.mlstm import mlstm_chunkwise
+        from kernels.mlstm_triton import mlstm_chunkwise_triton
+        self.mlstm_ops = {"triton": mlstm_chunkwise_triton, "ref": mlstm_chunkwise}
         from torch.nn.attention.flex_attention import flex_attention
         torch._dynamo.config.cache_size_limit = 64  # one compile per length and pass, not a fallback
         self._flex_fn = flex_attention if args.dry_run else torch.compile(flex_attention, dynamic=False)
@@ -129,14 +154,17 @@ class Bench:
 
     # --- measuring ------------------------------------------------------------------------------
 
-    def time_ms(self, fn, ins, window, backward: bool) -> float:
+    def time_ms(self, fn, ins, window, backward: bool, wrt: int = 3) -> float:
+        """Median time of fn(ins, window), with the gradients of ins[:wrt] if backward."""
         torch = self.torch
-        dout = torch.randn(ins[0].shape, device=self.device, dtype=self.dtype)
+        douts = []
 
         def step():
             out = fn(ins, window)
             if backward:
-                torch.autograd.grad(out, ins[:3], dout)
+                if not douts:
+                    douts.append(torch.randn(out.shape, device=self.device, dtype=out.dtype))
+                torch.autograd.grad(out, ins[:wrt], douts[0])
 
         step()  # warm-up: autotuning, compilation
         times = []
@@ -190,7 +218,8 @@ class Bench:
         print(f"device: {torch.cuda.get_device_name() if self.device == 'cuda' else 'cpu (dry run)'}, "
               f"torch {torch.__version__}, dtype {str(self.dtype).split('.')[-1]}, "
               f"B={BATCH} H={a.heads} D={a.dim}")
-        if not self.check():
+        # `&`, not `and`: both checks run and print whatever the first finds.
+        if not (self.check() & (not a.mlstm_lengths or self.check_mlstm())):
             print("correctness check failed: no timings")
             sys.exit(1)
         rows = []
@@ -214,7 +243,73 @@ class Bench:
             if self.device == "cuda":
                 torch.cuda.empty_cache()
         print_table(rows, results, longest)
+        if a.mlstm_lengths:
+            self.run_mlstm()
         print(f"total {time.perf_counter() - self.start:.0f} s")
+
+    # --- the chunkwise mLSTM ------------------------------------------------------------------
+
+    def mlstm_inputs(self, n: int, dtype):
+        """q, k, v in dtype and fp32 gates (forget gates near 1, as trained), all requiring grad."""
+        torch = self.torch
+        heads, dqk, dv, _ = self.args.mlstm_shape
+        g = torch.Generator(device=self.device).manual_seed(n)
+        shape = (BATCH, heads, n)
+        q, k = (torch.randn(*shape, dqk, generator=g, device=self.device).to(dtype) for _ in range(2))
+        v = torch.randn(*shape, dv, generator=g, device=self.device).to(dtype)
+        i = 2 * torch.randn(shape, generator=g, device=self.device) - 2
+        f = 3 + torch.randn(shape, generator=g, device=self.device)
+        return [t.requires_grad_() for t in (q, k, v, i, f)]
+
+    def mlstm(self, name: str):
+        """The variant `name` as fn(ins, window) -> h, for time_ms."""
+        op, chunk = self.mlstm_ops[name], self.args.mlstm_shape[3]
+        return lambda ins, window: op(*ins, 1e-6, chunk)[0]
+
+    def check_mlstm(self) -> bool:
+        """The kernels (fp32 and bf16 inputs) vs the PyTorch chunkwise form in fp32 on the same values."""
+        torch = self.torch
+        n, ok = min(self.args.mlstm_lengths), True
+        for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 3e-2)):
+            ins = self.mlstm_inputs(n, dtype)
+            ref_ins = [t.detach().float().requires_grad_() for t in ins]
+            want = self.mlstm("ref")(ref_ins, None)
+            dout = torch.randn(want.shape, device=self.device)
+            want = [want, *torch.autograd.grad(want, ref_ins, dout)]
+            got = self.mlstm("triton")(ins, None)
+            got = [got, *torch.autograd.grad(got, ins, dout.to(got.dtype))]
+            for label, a, b in zip(["h", "dq", "dk", "dv", "di", "df"], got, want):
+                err = ((a.float() - b).abs().max() / (1 + b.abs().max())).item()
+                ok = ok and err <= tol
+                print(f"check mlstm {str(dtype).split('.')[-1]} {label}: max rel err {err:.2e} "
+                      f"{'ok' if err <= tol else 'FAIL'}")
+        return ok
+
+    def run_mlstm(self):
+        torch, a = self.torch, self.args
+        heads, dqk, dv, chunk = a.mlstm_shape
+        print(f"\nmLSTM chunkwise: B={BATCH} H={heads} d_qk={dqk} d_v={dv} chunk={chunk}")
+        print("\n| N | pass | variant | inputs | ms | TFLOP/s | ratio |")
+        print("| ---: | --- | --- | --- | ---: | ---: | --- |")
+        for n in a.mlstm_lengths:
+            ref_ms = {}
+            for name, dtype in (("ref", torch.float32), ("triton", torch.float32), ("triton", torch.bfloat16)):
+                ins = self.mlstm_inputs(n, dtype)
+                for backward in (False, True):
+                    try:
+                        ms = self.time_ms(self.mlstm(name), ins, None, backward, wrt=5)
+                    except Exception as e:  # noqa: BLE001 - one failing variant must not end the table
+                        ms = math.nan
+                        print(f"mlstm {name} N={n}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                    if name == "ref":
+                        ref_ms[backward] = ms
+                    ratio = f"{ref_ms[backward] / ms:.2f}× the ref's speed" if name != "ref" else ""
+                    tflops = mlstm_flops(n, a.mlstm_shape, backward) / (ms * 1e9)
+                    print(f"| {n} | {'fwd+bwd' if backward else 'fwd'} | {name} | {str(dtype).split('.')[-1]} | "
+                          f"{ms:.3f} | {tflops:.2f} | {ratio} |")
+                del ins
+                if self.device == "cuda":
+                    torch.cuda.empty_cache()
 
 
 def print_table(rows, results, longest):
