@@ -1,7 +1,7 @@
-"""Tensor parallelism end to end through `megabam train` under torchrun (gloo): TP=2 (with full
-activation recomputation) and DP=2 × TP=2 (ZeRO-2, selective recomputation) against the plain
-single-process run, one model file per tensor rank, ZeRO shards per data-parallel rank,
-an exact resume, and a world size the layout does not divide."""
+"""Tensor and pipeline parallelism end to end through `megabam train` under torchrun (gloo): TP=2
+(with full activation recomputation), DP=2 × TP=2 (ZeRO-2, selective recomputation), PP=2 and
+DP=2 × PP=2 (ZeRO-1) against the plain single-process run, one model file per tensor rank or
+layer, ZeRO shards per data-parallel rank, exact resumes, and a world size the layout does not divide."""
 import shutil
 import socket
 import subprocess
@@ -88,5 +88,41 @@ def test_deepspeed_launcher_runs_tensor_parallel_like_torchrun(tmp_path, data_ca
     result = subprocess.run(cmd, capture_output=True, text=True, env=dict(ENV, DS_ACCELERATOR="cpu"), timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     parallel = losses(tmp_path / "ds")
+    for step in range(1, 7):
+        assert parallel[step] == pytest.approx(reference_losses[step], rel=LOSS_RTOL), step
+
+
+def test_pipeline_parallel_training_matches_one_process_and_resumes(tmp_path, data_cache, reference):
+    """PP=2 through `megabam train`: the same losses and parameter count as one process, one file per
+    layer (the tied embedding once, by the first stage), and an exact resume from the middle."""
+    reference_losses, reference_params = reference
+    run = ["parallel.pipeline=2", "parallel.recompute=full", *RUN]
+    two = megabam_train(tmp_path, data_cache, "run.name=pp2", *run, nproc=2)
+    assert _parameters_line(two) == reference_params
+    assert "passkey evaluation skipped" in two.stdout + two.stderr
+    parallel = losses(tmp_path / "pp2")
+    for step in range(1, 7):
+        assert parallel[step] == pytest.approx(reference_losses[step], rel=LOSS_RTOL), step
+    saved = tmp_path / "pp2" / "checkpoints" / "step_00000006"
+    # embedding, two blocks, final norm (layers 0-3); the head is the tied embedding, not saved twice
+    assert {p.name for p in saved.glob("layer_*")} == {f"layer_{i:02d}-model_00-model_states.pt" for i in range(4)}
+
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "pp2", part)
+    shutil.rmtree(part / "checkpoints" / "step_00000006")
+    resumed = megabam_train(tmp_path, data_cache, "run.name=part", *run, nproc=2, resume=True)
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    continued = losses(part)
+    for step in range(4, 7):
+        assert continued[step] == parallel[step], step
+
+
+def test_two_data_parallel_by_two_pipeline_ranks_with_zero1_match_one_process(tmp_path, data_cache, reference):
+    """4 processes: pipeline peers read identical samples, the two replicas half of each global batch;
+    ZeRO-1 shards the optimizer over the data-parallel group of each stage."""
+    reference_losses, _ = reference
+    megabam_train(tmp_path, data_cache, "run.name=dp2pp2", "parallel.pipeline=2", "parallel.zero_stage=1",
+                  "train.micro_batch_size=2", *RUN, nproc=4)
+    parallel = losses(tmp_path / "dp2pp2")
     for step in range(1, 7):
         assert parallel[step] == pytest.approx(reference_losses[step], rel=LOSS_RTOL), step

@@ -62,10 +62,8 @@ def test_sizes_that_tensor_parallelism_cannot_split_are_one_line_errors(override
     assert str(err.value).endswith(f"does not divide {split}") and "\n" not in str(err.value)
 
 
-def test_tensor_parallel_sizes_that_split_are_accepted_and_pipeline_is_refused():
+def test_tensor_parallel_sizes_that_split_are_accepted():
     assert load_config(None, ["parallel.tensor=4"]).parallel.tensor == 4
-    with pytest.raises(ConfigError, match="parallel.pipeline: pipeline parallelism is not available yet"):
-        load_config(None, ["parallel.pipeline=2"])
 
 
 # --- topology ---------------------------------------------------------------------------------------

@@ -29,8 +29,20 @@ activations shrink by TP.
 B counts the sequences of one data-parallel rank per optimizer step (all micro-batches). A ring
 all-reduce moves 2·(TP−1)/TP times the payload per rank, an all-gather (TP−1)/TP; TP=1 moves
 nothing. Beside it, for the planner: data parallelism moves about 2·(DP−1)/DP · (P/TP) · bytes per rank for P parameters
-(all-reduce, or ZeRO's reduce-scatter + all-gather); pipeline parallelism (not built yet) will send
-B_micro·N·d·bytes point to point per stage boundary and micro-batch, forward and backward.
+(all-reduce, or ZeRO's reduce-scatter + all-gather).
+
+Pipeline parallelism runs through the real DeepSpeed engine (`build_engine`, ZeRO-1, the global
+batch as M micro-batches of B/M sequences, 1F1B) for TP ∈ {1, 2} × PP ∈ {1, 2}. Point to point,
+each stage boundary carries per micro-batch the activation forward and its gradient backward, plus
+the document ids (int64) forward:
+
+    V_PP = (PP − 1) · M · (B/M)·N · (2 · d·bytes / TP + 8)     bytes sent per step by one tensor rank's stages
+
+/TP because DeepSpeed sends each tensor rank 1/TP of an activation (the tensor ranks hold the same
+one) and all-gathers it on arrival, an all-gather of (TP−1)/TP of it per rank per received activation
+(counted under "other", with the tied embedding's gradient all-reduce, d·V·bytes / TP, between the
+first and last stage, the gradient norm and the loss broadcast). The tensor-parallel payload V_TP
+stays what it is without pipelining, shared between the stages.
 
 Usage: .venv/bin/python tools/bench_parallel.py [--steps 6]
 """
@@ -124,6 +136,80 @@ def _worker(rank: int, world: int, port: int, name: str, sp: bool, steps: int, r
     dist.destroy_process_group()
 
 
+PP_MICRO = 4  # micro-batches per step in the pipeline rows (BATCH // PP_MICRO sequences each)
+
+
+def expected_pipeline_payload(overrides: list[str], tp: int, pp: int) -> int:
+    """V_PP of the docstring, in bytes, for fp32 activations."""
+    config = load_config(None, overrides)
+    tokens = BATCH // PP_MICRO * config.data.seq_len
+    return (pp - 1) * PP_MICRO * tokens * (2 * config.model.d_model * 4 // tp + 8)
+
+
+def _count_engine_traffic(counter: dict, tp_group) -> None:
+    """Count every collective payload (tensor-parallel ones, on `tp_group`, apart) and the pipeline's
+    point-to-point sends."""
+    from deepspeed.runtime.pipe import p2p
+
+    def counting(fn, size_of):
+        def wrapped(*args, **kwargs):
+            group = kwargs.get("group")
+            counter["tp" if group is not None and group is tp_group else "other"] += size_of(*args, **kwargs)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    def tensor_size(tensor, *args, **kwargs):
+        return tensor.numel() * tensor.element_size()
+
+    dist.all_reduce = counting(dist.all_reduce, tensor_size)
+    dist.broadcast = counting(dist.broadcast, tensor_size)
+    dist.all_gather = counting(dist.all_gather, lambda outputs, *a, **k: sum(t.numel() * t.element_size() for t in outputs))
+    dist.all_gather_into_tensor = counting(dist.all_gather_into_tensor, tensor_size)
+    send = p2p.send
+
+    def counted_send(tensor, *args, **kwargs):
+        counter["p2p"] += tensor.numel() * tensor.element_size()
+        return send(tensor, *args, **kwargs)
+
+    p2p.send = counted_send
+
+
+def _pipeline_worker(rank: int, world: int, port: int, name: str, tp: int, pp: int, steps: int, results) -> None:
+    import os
+
+    from megabam.train.engine import build_engine, build_topology, init_distributed
+    from megabam.train.trainer import _train_step
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    init_distributed()
+    config = load_config(None, MODELS[name] + [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.zero_stage=1",
+                                               f"train.micro_batch_size={BATCH // PP_MICRO}",
+                                               f"train.grad_accum={PP_MICRO}", "optim.lr=1e-3"])
+    topology = build_topology(config)
+    trained = build_engine(config, topology)
+    counter = {"tp": 0, "p2p": 0, "other": 0}
+    _count_engine_traffic(counter, topology.tp_group)
+    g = torch.Generator().manual_seed(0)
+    times = []
+    n = config.data.seq_len
+    for step in range(steps + 1):  # the first step warms up and is not counted
+        micro = []
+        for _ in range(PP_MICRO):
+            ids, labels = torch.randint(0, config.model.vocab_size, (2, BATCH // PP_MICRO, n), generator=g)
+            micro.append({"input_ids": ids, "labels": labels, "doc_ids": torch.zeros_like(ids)})
+        counter.update(tp=0, p2p=0, other=0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        _train_step(trained, micro, None, poison=False)
+        dist.barrier()
+        if step:
+            times.append(time.perf_counter() - t0)
+    results[name, tp, pp, rank] = (statistics.median(times), dict(counter))
+    dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -153,6 +239,26 @@ def main() -> None:
             ring = (tp - 1) / tp * (2 * reduced + gathered)
             print(f"| {name} | {tp} | {'on' if sp else 'off'} | 1 | {step_s:.3f} | {(reduced + gathered) / 2**20:.2f} | "
                   f"{expected / 2**20:.2f} | {ring / 2**20:.2f} |")
+
+    layouts = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (TP, PP)
+    for name in MODELS:
+        for tp, pp in layouts:
+            mp.start_processes(_pipeline_worker, args=(tp * pp, _free_port(), name, tp, pp, args.steps, results),
+                               nprocs=tp * pp, start_method="spawn")
+    print()
+    print(f"Through DeepSpeed's engine (ZeRO-1): {PP_MICRO} micro-batches of {BATCH // PP_MICRO} sequences per step; "
+          "TP and other payloads per rank (the largest), p2p summed over the stages of tensor rank 0")
+    print("| model | TP | PP | step time (s) | TP collectives (MiB) | p2p sent (MiB) | expected V_PP (MiB) | other (MiB) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, overrides in MODELS.items():
+        for tp, pp in layouts:
+            ranks = [results[name, tp, pp, r] for r in range(tp * pp)]
+            step_s = max(t for t, _ in ranks)
+            most = {k: max(c[k] for _, c in ranks) / 2**20 for k in ("tp", "other")}
+            # both directions of the boundaries: what the stages of tensor rank 0 send
+            sent = sum(c["p2p"] for r, (_, c) in enumerate(ranks) if r % tp == 0) / 2**20
+            print(f"| {name} | {tp} | {pp} | {step_s:.3f} | {most['tp']:.2f} | {sent:.2f} | "
+                  f"{expected_pipeline_payload(overrides, tp, pp) / 2**20:.2f} | {most['other']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -191,8 +191,7 @@ def validate(c: Config, source: str) -> None:
     require(c.parallel.zero_stage in (0, 1, 2), "parallel.zero_stage", f"must be 0, 1 or 2, got {c.parallel.zero_stage}")
     _validate_tensor_parallel(c, set(period), require)
     _validate_sequence_parallel(c, require)
-    # Pipeline parallelism is not built yet; refuse it here rather than ignore it.
-    require(c.parallel.pipeline == 1, "parallel.pipeline", "pipeline parallelism is not available yet; use 1")
+    _validate_pipeline(c, require)
     require(c.train.eval_every >= 0, "train.eval_every", f"must be non-negative, got {c.train.eval_every}")
     require(c.train.eval_batches >= 1, "train.eval_batches", f"must be at least 1, got {c.train.eval_batches}")
     require(c.eval.passkey_samples >= 0, "eval.passkey_samples", f"must be non-negative, got {c.eval.passkey_samples}")
@@ -242,6 +241,32 @@ def _validate_sequence_parallel(c: Config, require) -> None:
         for i, n in enumerate(c.eval.passkey_lengths):
             require(n % tp == 0, "parallel.sequence_parallel",
                     f"parallel.tensor={tp} does not divide eval.passkey_lengths[{i}]={n}")
+
+
+def _validate_pipeline(c: Config, require) -> None:
+    """Pipeline stages need layers to hold and a ZeRO stage DeepSpeed's pipeline engine accepts."""
+    pp, n_layers = c.parallel.pipeline, c.model.n_layers
+    bounds = c.parallel.pipeline_boundaries
+    require(not bounds or pp > 1, "parallel.pipeline_boundaries", "given but parallel.pipeline is 1")
+    if pp == 1:
+        return
+    require(n_layers >= pp, "parallel.pipeline", f"{pp} stages but only model.n_layers={n_layers} layers")
+    # DeepSpeed refuses ZeRO-2/3 with its pipeline engine (gradients partitioned while micro-batches
+    # are still accumulating them); say so before any process starts.
+    require(c.parallel.zero_stage <= 1, "parallel.zero_stage",
+            f"stage {c.parallel.zero_stage} cannot be combined with pipeline parallelism; use 0 or 1")
+    # DeepSpeed saves the bf16 optimizer of stage 0 under its pipeline engine but fails to load it.
+    require(c.parallel.zero_stage == 1 or c.train.precision != "bf16", "parallel.zero_stage",
+            "bf16 with stage 0 under pipeline parallelism writes checkpoints DeepSpeed cannot load; use 1")
+    if bounds:
+        require(len(bounds) == pp - 1, "parallel.pipeline_boundaries",
+                f"needs parallel.pipeline − 1 = {pp - 1} indices, got {len(bounds)}")
+        require(all(a < b for a, b in zip([0] + bounds, bounds + [n_layers])), "parallel.pipeline_boundaries",
+                f"{bounds} must increase strictly within 1..model.n_layers−1={n_layers - 1}")
+    for section in ("attention", "swa"):
+        # One prior shared by every layer would need tying across stages, which the pipeline does not do.
+        require(not getattr(c.model, section).bam.shared_across_layers, f"model.{section}.bam.shared_across_layers",
+                "a prior shared across layers cannot be split over pipeline stages; set it false")
 
 
 def _validate_swax(c: Config, mixers: set[str], require) -> None:

@@ -111,7 +111,7 @@ class ModelConfig:
     gated_deltanet: GatedDeltaNetConfig = doc(GatedDeltaNetConfig, "Gated DeltaNet mixer (`gated_deltanet`) settings.")
     kernels: Literal["auto", "triton", "reference"] = doc(
         "auto",
-        "Attention op: auto = fused Triton kernel on CUDA tensors, PyTorch reference on CPU; triton or reference "
+        "Attention and chunkwise mLSTM ops: auto = Triton kernels on CUDA tensors, PyTorch references on CPU; triton or reference "
         "forces one (env MEGABAM_KERNELS overrides; triton on CPU only under TRITON_INTERPRET=1).",
     )
 
@@ -131,7 +131,15 @@ class WindowConfig:
 @dataclass
 class ParallelConfig:
     tensor: int = doc(1, "Tensor-parallel size.")
-    pipeline: int = doc(1, "Pipeline-parallel size.")
+    pipeline: int = doc(
+        1, "Pipeline-parallel size: DeepSpeed's pipeline engine (1F1B) over train.grad_accum micro-batches "
+        "per step; needs zero_stage 0 or 1."
+    )
+    pipeline_boundaries: list[int] = doc(
+        [], "First layer index of each pipeline stage after the first (pipeline − 1 increasing indices); "
+        "empty = stages balanced by parameter count. The embedding joins the first stage, the final norm and "
+        "head the last."
+    )
     sequence_parallel: bool = doc(
         False, "Megatron sequence parallelism on top of tensor parallelism: norms and residuals hold "
         "sequence shards (N/tensor tokens per rank); needs tensor > 1 and sequence lengths divisible by tensor."

@@ -47,13 +47,22 @@ class VocabOutput(nn.Module):
 
     Holds no weights: W is the embedding's when tied, else the LM head's. It is a module of its own so
     tensor parallelism can swap in a vocab-parallel version (megabam/parallel/tensor_parallel.py) that
-    computes the loss without gathering the logits.
+    computes the loss without gathering the logits. The three steps are separate methods because a
+    pipeline's last stage computes `local_logits` and DeepSpeed then calls `loss` on them.
     """
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        logits = F.linear(h, weight)
-        if labels is None:
-            return logits
+        logits = self.local_logits(h, weight)
+        return self.full_logits(logits) if labels is None else self.loss(logits, labels)
+
+    def local_logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The logits this rank computes (all of them here; a vocabulary shard under TP)."""
+        return F.linear(h, weight)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 

@@ -4,7 +4,8 @@
 data-parallel group only, names checkpoint files per tensor-parallel rank (mp_rank_XX), and sums the
 gradient norm over the tensor-parallel group (parameters marked `tensor_model_parallel` on every
 rank, replicated ones on tensor rank 0 only). DeepSpeed's "model parallel" means tensor parallel
-here; pipeline parallelism will bring its own engine.
+here. With pipeline parallelism this class is not used: the pipeline module brings DeepSpeed's own
+grid, built from the same layout (megabam/parallel/pipeline.py).
 """
 import torch.distributed as dist
 

@@ -20,7 +20,7 @@ from megabam.model.attention import Attention
 from megabam.model.gated_deltanet import GatedDeltaNet
 from megabam.model.layers import SwiGLU
 from megabam.model.mlstm import MLstm
-from megabam.model.transformer import Decoder
+from megabam.model.transformer import Decoder, VocabOutput
 from megabam.parallel.mappings import copy_to_tensor_region, gather_from_tensor_region, reduce_from_tensor_region
 from megabam.parallel.topology import Topology
 
@@ -140,7 +140,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, vocab_start: in
     return (sum_exp.log() - target).mean()
 
 
-class VocabParallelOutput(nn.Module):
+class VocabParallelOutput(VocabOutput):
     """The vocab-parallel `VocabOutput`: logits of this rank's vocabulary rows; the loss from them
     without gathering; full logits (gathered) only when no labels are given (evaluation, inference)."""
 
@@ -154,10 +154,13 @@ class VocabParallelOutput(nn.Module):
         final norm gathers the sequence)."""
         return copy_to_tensor_region(h, self.group)
 
-    def forward(self, h: Tensor, weight: Tensor, labels=None) -> Tensor:
-        logits = F.linear(self.enter(h), weight)
-        if labels is None:
-            return gather_from_tensor_region(logits, self.group)
+    def local_logits(self, h: Tensor, weight: Tensor) -> Tensor:
+        return F.linear(self.enter(h), weight)
+
+    def full_logits(self, logits: Tensor) -> Tensor:
+        return gather_from_tensor_region(logits, self.group)
+
+    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.group)
 
 

@@ -1,6 +1,8 @@
 """Process-group start-up and the DeepSpeed engine around the model."""
 import os
 import socket
+from dataclasses import dataclass
+from typing import Optional
 
 import deepspeed
 import torch
@@ -12,6 +14,7 @@ from megabam.data.layout import ParallelLayout
 from megabam.model import Decoder
 from megabam.parallel.activation_checkpoint import apply_ac
 from megabam.parallel.deepspeed_mpu import DeepSpeedMpu
+from megabam.parallel.pipeline import StepContext, build_pipeline
 from megabam.parallel.sequence_parallel import apply_sp
 from megabam.parallel.tensor_parallel import apply_tp
 from megabam.parallel.topology import Topology
@@ -52,7 +55,33 @@ def deepspeed_config(cfg: Config) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        # DeepSpeed splits an activation sent between stages over the tensor group and gathers it on
+        # arrival, assuming every tensor rank holds the same activation; under sequence parallelism each
+        # holds its own sequence shard (already 1/TP of the data), so it is sent whole.
+        "pipeline": {"pipe_partitioned": not cfg.parallel.sequence_parallel,
+                     "grad_partitioned": not cfg.parallel.sequence_parallel},
     }
+
+
+@dataclass
+class TrainingModel:
+    """The DeepSpeed engine and what the trainer needs to know about the model it wraps.
+
+    `pipeline` is None without pipeline parallelism (the engine is called per micro-batch), else the
+    step context the pipeline stages read (the engine runs a whole step in `train_batch`). Size and
+    FLOPs are the whole model's, taken before it was split over ranks.
+    """
+
+    engine: object
+    scheduler: object
+    params: int
+    flops_per_token: float
+    pipeline: Optional[StepContext]
+
+    def local_blocks(self) -> list:
+        """(layer index, block) of the decoder blocks this rank holds."""
+        module = self.engine.module
+        return module.local_blocks() if self.pipeline is not None else list(enumerate(module.blocks))
 
 
 def build_topology(cfg: Config) -> Topology:
@@ -66,11 +95,13 @@ def build_topology(cfg: Config) -> Topology:
                                    pipeline=cfg.parallel.pipeline))
 
 
-def build_engine(cfg: Config, topology: Topology):
-    """Model (seeded; tensor-parallel when the topology says so, sequence-parallel too when configured),
-    AdamW groups and schedule, wrapped by `deepspeed.initialize` with ZeRO over the data-parallel group."""
+def build_engine(cfg: Config, topology: Topology) -> TrainingModel:
+    """Model (seeded; then tensor-parallel, sequence-parallel and split into pipeline stages as the
+    topology and config say), AdamW groups and schedule, wrapped by `deepspeed.initialize` with ZeRO
+    over the data-parallel group."""
     torch.manual_seed(cfg.run.seed)
     model = Decoder(cfg.model)
+    params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)
     if topology.tp_size > 1:
         # Every rank built the whole model from the seed; each keeps its shards, so TP=k holds exactly
         # the shards of the TP=1 model.
@@ -78,13 +109,18 @@ def build_engine(cfg: Config, topology: Topology):
         if cfg.parallel.sequence_parallel:
             apply_sp(model, topology)
     apply_ac(model, cfg.parallel.recompute, cfg.parallel.recompute_mixers)
+    context, mpu = None, DeepSpeedMpu(topology)
+    if topology.pp_size > 1:
+        # The pipeline module brings DeepSpeed's grid (built from the same topology) as its mpu.
+        context, mpu = StepContext(), None
+        model = build_pipeline(model, topology, cfg.parallel.pipeline_boundaries, context)
     optimizer = build_optimizer(model, cfg.optim)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
-        mpu=DeepSpeedMpu(topology),
+        mpu=mpu,
         # A callable, so the schedule wraps the optimizer DeepSpeed actually steps (ZeRO wraps ours).
         lr_scheduler=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.steps),
         config=deepspeed_config(cfg),
     )
-    return engine, scheduler
+    return TrainingModel(engine, scheduler, params, flops_per_token, context)

@@ -26,11 +26,11 @@ def peak_tflops(cfg: LoggingConfig) -> Optional[float]:
     return None
 
 
-def head_parameters(model: nn.Module) -> dict[str, float]:
+def head_parameters(blocks: list[tuple[int, nn.Module]]) -> dict[str, float]:
     """Each head's prior β = θ_β and α (paper form: exp(θ_α) = α^−β, logged as ln α = −θ_α/θ_β,
-    undefined where β = 0) and its SSMax s, keyed by layer and head."""
+    undefined where β = 0) and its SSMax s, keyed by layer and head, for the (layer, block) pairs given."""
     out: dict[str, float] = {}
-    for layer, block in enumerate(model.blocks):
+    for layer, block in blocks:
         mixer = block.mixer
         prior = getattr(mixer, "prior", None)
         if prior is not None and isinstance(getattr(prior, "theta_beta", None), nn.Parameter):

@@ -1,5 +1,6 @@
 """The training loop: data → DeepSpeed engine → metrics, evaluation and checkpoints, with auto-resume,
 preemption handling and a guard against non-finite steps."""
+import itertools
 import json
 import logging
 import math
@@ -23,11 +24,10 @@ from megabam.data.training_data import TrainingData, prepared_mixture, single_da
 from megabam.eval.passkey import passkey_accuracy
 from megabam.train import checkpoint
 from megabam.train.compatibility import config_changes
-from megabam.train.engine import build_engine, build_topology, init_distributed
+from megabam.train.engine import TrainingModel, build_engine, build_topology, init_distributed
 from megabam.train.logger import RunLogger, head_parameters, peak_tflops
 from megabam.train.plot import plot_loss
 from megabam.model.transformer import expand_pattern
-from megabam.parallel.tensor_parallel import count_parameters
 from megabam.train.preemption import Preempted, PreemptionFlag
 from megabam.train.window_sampler import WindowSampler
 
@@ -111,7 +111,8 @@ def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
     tokenizer = Tokenizer(data.tokenizer_path)
     passkey_lengths = cfg.eval.passkey_lengths or [cfg.data.seq_len]
     _check_passkey_lengths(tokenizer, passkey_lengths if cfg.eval.passkey_samples else [])
-    engine, _ = build_engine(cfg, topology)
+    trained = build_engine(cfg, topology)
+    engine = trained.engine
     checkpoint.use_weights_only_loading(engine)
     # Tensor- and pipeline-parallel peers (consecutive ranks) read identical samples.
     replication = topology.layout.replication
@@ -138,7 +139,7 @@ def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
     log = RunLogger(cfg, run_dir, start_step, meta.get("wandb_id") if meta else None, enabled=rank == 0)
     try:
         with PreemptionFlag() as preemption:
-            return _loop(cfg, engine, topology, train_loader, val_loader, sampler, tokenizer, run_dir, meta, log,
+            return _loop(cfg, trained, topology, train_loader, val_loader, sampler, tokenizer, run_dir, meta, log,
                          preemption, device, passkey_lengths)
     finally:
         log.close()
@@ -168,16 +169,13 @@ def _resume(engine, train_loader, sampler, cfg: Config, run_dir: Path, say) -> d
     return meta
 
 
-def _loop(cfg, engine, topology, train_loader, val_loader, sampler, tokenizer, run_dir, meta, log, preemption, device,
+def _loop(cfg, trained, topology, train_loader, val_loader, sampler, tokenizer, run_dir, meta, log, preemption, device,
           passkey_lengths):
     rank, world = dist.get_rank(), dist.get_world_size()
+    engine = trained.engine
     start_step = meta["step"] if meta else 0
     skipped_total = meta.get("skipped_steps", 0) if meta else 0
     tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_len * topology.dp_size
-    model = engine.module
-    # The model holds this rank's tensor-parallel share; times TP for the whole model's FLOPs (the
-    # replicated norms are counted TP times: negligible).
-    flops_per_token = model.flops_per_token(cfg.data.seq_len) * topology.tp_size
     peak = peak_tflops(cfg.logging)
     batches = _endless(train_loader)
     recent_losses: list[float] = []
@@ -204,15 +202,8 @@ def _loop(cfg, engine, topology, train_loader, val_loader, sampler, tokenizer, r
         t0 = time.perf_counter()
         lr = _current_lr(engine)
         window = sampler.window(step) if sampler is not None else None
-        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-        for _ in range(cfg.train.grad_accum):
-            batch = {k: v.to(device) for k, v in next(batches).items()}
-            loss = engine(batch["input_ids"], batch["labels"], batch["doc_ids"], window)
-            if step + 1 in cfg.train.debug_nan_steps:
-                loss = loss * math.nan
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach().double()
+        micro_batches = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(cfg.train.grad_accum)]
+        loss_sum = _train_step(trained, micro_batches, window, poison=step + 1 in cfg.train.debug_nan_steps)
         # One collective per step: the loss, whether DeepSpeed applied the update (it skips one
         # whose gradient norm is not finite, on every rank alike), and whether any rank was signalled.
         flags = torch.tensor([not engine.was_step_applied(), preemption.requested], dtype=torch.float64, device=device)
@@ -246,14 +237,14 @@ def _loop(cfg, engine, topology, train_loader, val_loader, sampler, tokenizer, r
             metrics = {"loss": sum(interval_losses) / len(interval_losses), "lr": lr,
                        "grad_norm": float(engine.get_global_grad_norm() or 0.0),
                        "tokens_per_s": tokens_per_s, "tokens": done * tokens_per_step,
-                       "tflops_per_device": tokens_per_s * flops_per_token / world / 1e12}
+                       "tflops_per_device": tokens_per_s * trained.flops_per_token / world / 1e12}
             if peak:
                 metrics["mfu"] = metrics["tflops_per_device"] / peak
-            metrics.update(head_parameters(model))
+            metrics.update(head_parameters(trained.local_blocks()))
             log.log(done, metrics)
             interval_losses = []
         if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
-            val_loss = evaluate(engine, val_loader, cfg.train.eval_batches, device)
+            val_loss = evaluate(trained, val_loader, cfg.train.eval_batches, device)
             log.log(done, {"val_loss": val_loss})
         # No periodic save inside a streak of bad steps: pruning must not push out the last good one.
         periodic = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps
@@ -269,21 +260,22 @@ def _loop(cfg, engine, topology, train_loader, val_loader, sampler, tokenizer, r
         save(cfg.train.steps)  # a resumed run that had already reached its end
 
     passkey = {}
+    if cfg.eval.passkey_samples and trained.pipeline is not None:
+        log.write("passkey evaluation skipped: it scores logits of the whole model, which pipeline stages do not have")
     # Every tensor-parallel rank of the first data-parallel replica takes part in the forward passes.
-    if cfg.eval.passkey_samples and topology.dp_rank == 0:
+    elif cfg.eval.passkey_samples and topology.dp_rank == 0:
         for n in passkey_lengths:
-            passkey[n] = passkey_accuracy(model, tokenizer, n, cfg.eval.passkey_samples, cfg.run.seed, device)
+            passkey[n] = passkey_accuracy(engine.module, tokenizer, n, cfg.eval.passkey_samples, cfg.run.seed, device)
         log.log(cfg.train.steps, {f"passkey_{n}": acc for n, acc in passkey.items()})
     dist.barrier()
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
     steps_run = cfg.train.steps - start_step
-    params = count_parameters(model, topology)
     return Summary(
         run_dir=str(run_dir), steps=cfg.train.steps, tokens=cfg.train.steps * tokens_per_step, wall_s=wall,
         tokens_per_s=steps_run * tokens_per_step / wall if steps_run else 0.0,
         final_loss=sum(recent_losses) / len(recent_losses) if recent_losses else math.nan, val_loss=val_loss,
-        params=params, skipped_steps=skipped_total,
+        params=trained.params, skipped_steps=skipped_total,
         checkpoint=str(checkpoint.checkpoint_root(run_dir) / checkpoint.tag_for(cfg.train.steps)),
         loss_plot=str(run_dir / "loss.png"), passkey=passkey,
     )
@@ -351,15 +343,44 @@ def _endless(loader) -> Iterator[dict]:
         yield from loader
 
 
+def _train_step(trained: TrainingModel, micro_batches: list[dict], window, poison: bool) -> torch.Tensor:
+    """One optimizer step over the micro-batches; returns the sum of their losses (float64, this rank's
+    view: under pipeline parallelism the engine's mean over micro-batches and data-parallel ranks)."""
+    engine = trained.engine
+    if trained.pipeline is not None:
+        trained.pipeline.window, trained.pipeline.poison_loss = window, poison
+        loss = engine.train_batch(iter([_pipeline_batch(b) for b in micro_batches]))
+        return loss.detach().double() * len(micro_batches)
+    loss_sum = torch.zeros((), device=micro_batches[0]["input_ids"].device, dtype=torch.float64)
+    for batch in micro_batches:
+        loss = engine(batch["input_ids"], batch["labels"], batch["doc_ids"], window)
+        if poison:
+            loss = loss * math.nan
+        engine.backward(loss)
+        engine.step()
+        loss_sum += loss.detach().double()
+    return loss_sum
+
+
+def _pipeline_batch(batch: dict) -> tuple:
+    """A micro-batch as DeepSpeed's pipeline engine takes it: (first stage's inputs, last stage's labels)."""
+    return (batch["input_ids"], batch["doc_ids"]), batch["labels"]
+
+
 @torch.no_grad()
-def evaluate(engine, loader, max_batches: int, device: torch.device) -> float:
+def evaluate(trained: TrainingModel, loader, max_batches: int, device: torch.device) -> float:
     """Mean validation loss over the first `max_batches` batches, averaged over data-parallel ranks."""
+    engine = trained.engine
+    batches = [{k: v.to(device) for k, v in b.items()} for b in itertools.islice(loader, max_batches)]
+    if trained.pipeline is not None:
+        if not batches:
+            return math.nan
+        trained.pipeline.window, trained.pipeline.poison_loss = None, False
+        loss = engine.eval_batch(iter([_pipeline_batch(b) for b in batches]), num_micro_batches=len(batches))
+        return float(loss)
     engine.eval()
     total = torch.zeros(2, device=device)
-    for i, batch in enumerate(loader):
-        if i == max_batches:
-            break
-        batch = {k: v.to(device) for k, v in batch.items()}
+    for batch in batches:
         total[0] += engine(batch["input_ids"], batch["labels"], batch["doc_ids"]).float()
         total[1] += 1
     engine.train()

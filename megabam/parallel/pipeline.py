@@ -1,0 +1,169 @@
+"""Pipeline parallelism: a built `Decoder` cut into the stages of DeepSpeed's pipeline engine.
+
+Like tensor parallelism (torchtitan style), this is applied after construction: every rank builds
+the whole model from the run's seed (tensor-parallel shards already taken), then `build_pipeline`
+hands its modules to a DeepSpeed `PipelineModule`, which keeps the layers of this rank's stage. So a
+PP=k model from seed s holds exactly the layers of the PP=1 model from seed s.
+
+The layer list is [embedding, block 0, …, block L−1, final norm, head]. Between stages flows the
+tuple (hidden states, document ids); the SWA window of the step, the same for every micro-batch and
+rank, is read from a `StepContext` the trainer sets before each batch. With tied embeddings the
+first and last stage each hold the embedding (one `TiedLayerSpec` key): DeepSpeed broadcasts it
+from the first stage at start-up and all-reduces its gradient between the two, so the copies stay
+equal. The last stage returns this rank's logits (a vocabulary shard under TP) and DeepSpeed calls
+the model's own `loss` on them, so the vocab-parallel loss never gathers the logits.
+
+DeepSpeed's grid is built from the project `Topology` with the same rank order (axes data, pipe,
+model: tensor fastest) and checked against it, so the two agree on every rank's coordinates.
+"""
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Optional
+
+import torch
+from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import ProcessTopology
+from torch import Tensor, nn
+
+from megabam.model.attention import SequenceInfo
+from megabam.model.transformer import Block, Decoder, VocabOutput
+from megabam.parallel.topology import Topology
+
+EMBEDDING_KEY = "embedding"
+
+
+@dataclass
+class StepContext:
+    """What every stage needs per step but is not an activation: the SWA window (None = the
+    configured one), and a debug switch that turns the step's loss into NaN (train.debug_nan_steps)."""
+
+    window: Optional[int] = None
+    poison_loss: bool = False
+
+
+class EmbeddingStage(nn.Module):
+    """(token ids, document ids) → (embeddings, document ids), positions added where the model uses them."""
+
+    def __init__(self, embed: nn.Module, positions: Optional[nn.Module]):
+        super().__init__()
+        self.embed = embed
+        self.positions = positions
+
+    def forward(self, inputs: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        ids, doc_ids = inputs
+        x = self.embed(ids)
+        return (x if self.positions is None else self.positions(x)), doc_ids
+
+
+class BlockStage(nn.Module):
+    """One decoder block on the (hidden states, document ids) tuple; `index` is its layer in the model."""
+
+    def __init__(self, block: Block, index: int, context: StepContext):
+        super().__init__()
+        self.block = block
+        self.index = index
+        self.context = context
+
+    def forward(self, inputs: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        x, doc_ids = inputs
+        return self.block(x, SequenceInfo(doc_ids=doc_ids, window=self.context.window)), doc_ids
+
+
+class FinalNormStage(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
+        return self.norm(inputs[0])
+
+
+class HeadStage(nn.Module):
+    """This rank's logits from an untied LM head."""
+
+    def __init__(self, lm_head: nn.Linear, output: VocabOutput):
+        super().__init__()
+        self.lm_head = lm_head
+        self.output = output
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.output.local_logits(h, self.lm_head.weight)
+
+
+def _tied_head(output: VocabOutput, embedding: EmbeddingStage, h: Tensor) -> Tensor:
+    """The last stage's use of the tied embedding: this rank's logits h·Eᵀ."""
+    return output.local_logits(h, embedding.embed.weight)
+
+
+def _loss(output: VocabOutput, context: StepContext, logits: Tensor, labels: Tensor) -> Tensor:
+    loss = output.loss(logits, labels)
+    return loss * math.nan if context.poison_loss else loss
+
+
+class DecoderPipeline(PipelineModule):
+    """DeepSpeed's PipelineModule with stage boundaries that may be given explicitly."""
+
+    def __init__(self, layers: list, boundaries: list[int], **kwargs):
+        # Read by _partition_layers, which PipelineModule.__init__ calls.
+        self.explicit_parts = [0, *(b + 1 for b in boundaries), len(layers)] if boundaries else None
+        super().__init__(layers, **kwargs)
+
+    def _partition_layers(self, method: str = "parameters") -> None:
+        if self.explicit_parts is None:
+            return super()._partition_layers(method)
+        self.parts = self.explicit_parts
+        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
+    def local_blocks(self) -> list[tuple[int, Block]]:
+        """(layer index in the model, block) of the blocks on this stage."""
+        return [(f.index, f.block) for f in self.forward_funcs if isinstance(f, BlockStage)]
+
+
+def deepspeed_topology(topology: Topology) -> ProcessTopology:
+    """The project's layout as DeepSpeed's ProcessTopology: axes outermost first, so the rank order
+    ((dp · PP) + pp) · TP + tp is the same."""
+    L = topology.layout
+    return ProcessTopology(axes=["data", "pipe", "model"], dims=[L.data, L.pipeline, L.tensor])
+
+
+def build_pipeline(model: Decoder, topology: Topology, boundaries: list[int], context: StepContext) -> DecoderPipeline:
+    """This rank's stage of `model` (already tensor-parallel if TP > 1) as a DeepSpeed pipeline module."""
+    positions = model.positions if model.sinusoidal else None
+    blocks = [BlockStage(block, i, context) for i, block in enumerate(model.blocks)]
+    if model.lm_head is None:
+        first = TiedLayerSpec(EMBEDDING_KEY, EmbeddingStage, model.embed, positions, tied_weight_attr="embed.weight")
+        last = TiedLayerSpec(EMBEDDING_KEY, EmbeddingStage, model.embed, positions, tied_weight_attr="embed.weight",
+                             forward_fn=partial(_tied_head, model.output))
+    else:
+        first, last = EmbeddingStage(model.embed, positions), HeadStage(model.lm_head, model.output)
+    # no_grad: DeepSpeed broadcasts the tied embedding in place at construction, which autograd
+    # would otherwise record on the parameter.
+    with torch.no_grad():
+        pipeline = DecoderPipeline([first, *blocks, FinalNormStage(model.norm), last], boundaries,
+                                   topology=deepspeed_topology(topology), loss_fn=partial(_loss, model.output, context),
+                                   partition_method="parameters")
+    grid = pipeline.mpu()
+    mine = (grid.get_data_parallel_rank(), grid.get_pipe_parallel_rank(), grid.get_slice_parallel_rank())
+    if mine != (topology.dp_rank, topology.pp_rank, topology.tp_rank):
+        raise RuntimeError(f"DeepSpeed's pipeline grid places rank {topology.rank} at (dp, pp, tp) = {mine}, "
+                           f"the topology at {(topology.dp_rank, topology.pp_rank, topology.tp_rank)}")
+    _mark_for_gradient_norm(pipeline, topology)
+    return pipeline
+
+
+def _mark_for_gradient_norm(pipeline: nn.Module, topology: Topology) -> None:
+    """Make DeepSpeed's gradient norm count every parameter of the model exactly once.
+
+    Under the pipeline engine DeepSpeed sums the norm over all ranks of a data-parallel replica
+    (every stage, every tensor rank) and counts a parameter there when it is marked model-parallel,
+    unmarked ones only on the replica's first rank, and skips the second copy of a tied embedding
+    (`ds_pipe_replicated`). Tensor-parallel shards are already marked; a parameter replicated over
+    the tensor group is marked on tensor rank 0 of each stage, so each stage's norms and other
+    replicated parameters count once.
+    """
+    if topology.tp_rank != 0:
+        return
+    for p in pipeline.parameters():
+        if not getattr(p, "tensor_model_parallel", False):
+            p.model_parallel = True
