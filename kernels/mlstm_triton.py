@@ -2,7 +2,8 @@
 
 TFLA-style split, with the reference's stabiliser (m_t, the row maximum of the log weights) exactly:
 - `_fwd_state_kernel`, one program per (batch·head, d_v tile): walks the chunks in order and writes
-  the state (C, n, m) at every chunk start, the final state last;
+  the state (C, n, m) at every chunk start, the final state last; on this sequential path it forms
+  only each chunk's last row of log weights (the new state's keys and stabiliser), not D;
 - `_fwd_chunk_kernel`, one program per (chunk, batch·head, d_v tile): the chunk's scores against its
   own keys (log-gate matrix D_ts = b_t - b_s + i_s, b the chunk-local cumulative log forget gate),
   plus the carried state, stabilised by the row max; writes h and each row's q̃·n and m;
@@ -30,6 +31,9 @@ Everything is computed in fp32 (the state always is): q, k, v are upcast when lo
 fp16/bf16 inputs run as TF32 on the GPU, fp32 inputs as exact fp32 (the model feeds fp32). Plain
 pointer arithmetic only, so one source runs under the GPU image's Triton 3.6 and the CPU
 interpreter of the pinned Triton 3.9 (TRITON_INTERPRET=1, read at import; one autotune config there).
+Offsets are int64 wherever they can pass 2^31: batch·head indices are widened once per program and
+position vectors before they multiply a row stride (in _load_tile: a (B, N, H, d) view's row stride
+is H·d); the small within-tile offsets (d_qk·d_v) stay int32.
 Every buffer the kernels write is fully written (tested with NaN-filled buffers); reductions are
 per program in a fixed order (deterministic, no atomics).
 """
@@ -61,34 +65,52 @@ def _configs(triples):
 
 @triton.jit
 def _load_tile(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols):
-    """fp32 (len(rows), len(cols)) tile of a strided matrix; zeros outside."""
-    x = tl.load(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c,
+    """fp32 (len(rows), len(cols)) tile of a strided matrix; zeros outside. The row index vector is
+    widened to int64 before it meets the stride: a (B, N, H, d) view's row stride is H·d, so
+    position·stride passes 2^31 on long sequences."""
+    x = tl.load(ptr + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c,
                 mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
     return x.to(tl.float32)
 
 
 @triton.jit
-def _chunk(B_LOG, I, bh, c, m_c, N, CHUNK: tl.constexpr, BLOCK_L: tl.constexpr):
-    """Gates and stabilisers of chunk c of batch·head bh, computed the same way (bit for bit) in
-    every kernel; m_c is the incoming state's stabiliser.
-
-    Returns offs (positions), r (local index), valid, b, i, D (log weights, -inf off the causal
-    part), last (local index of the last step), b_last, carried (b + m_c), the intra-chunk row max,
-    and m_row (the row stabiliser; 0 on padding rows).
-    """
+def _gates(B_LOG, I, bh, c, N, CHUNK: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Gates of chunk c of batch·head bh: offs (positions), r (local index), valid, b, i, last (local
+    index of the last step) and b_last (b there)."""
     r = tl.arange(0, BLOCK_L)
     offs = c * CHUNK + r
     valid = (r < CHUNK) & (offs < N)
     b = tl.load(B_LOG + bh * N + offs, mask=valid, other=0.0)
     i = tl.load(I + bh * N + offs, mask=valid, other=0.0)
-    causal = (r[None, :] <= r[:, None]) & valid[None, :] & valid[:, None]
-    D = tl.where(causal, (b[:, None] - b[None, :]) + i[None, :], float("-inf"))
     last = tl.minimum(CHUNK, N - c * CHUNK) - 1
     b_last = tl.sum(tl.where(r == last, b, 0.0), 0)
+    return offs, r, valid, b, i, last, b_last
+
+
+@triton.jit
+def _stabilise(r, valid, b, i, m_c):
+    """Log weights and row stabilisers of a chunk (its _gates), computed the same way (bit for bit)
+    in every kernel that needs all rows; m_c is the incoming state's stabiliser.
+
+    Returns D (log weights, -inf off the causal part), carried (b + m_c), the intra-chunk row max,
+    and m_row (the row stabiliser; 0 on padding rows). _last_row_stabiliser gives m_row[last] alone.
+    """
+    causal = (r[None, :] <= r[:, None]) & valid[None, :] & valid[:, None]
+    D = tl.where(causal, (b[:, None] - b[None, :]) + i[None, :], float("-inf"))
     carried = b + m_c
     intra = tl.max(D, 1)
     m_row = tl.where(valid, tl.maximum(carried, intra), 0.0)
-    return offs, r, valid, b, i, D, last, b_last, carried, intra, m_row
+    return D, carried, intra, m_row
+
+
+@triton.jit
+def _last_row_stabiliser(valid, b, i, b_last, m_c):
+    """The chunk's last row of log weights, col_s = D_last,s (-inf on padding), and that row's
+    stabiliser m_row[last]: the same operations on the same values as _stabilise (b_last is b[last]
+    exactly, and every valid step is causal for the last row; max is exact in any order), so the
+    state kernel's m equals the chunk kernels' bit for bit without forming D."""
+    col = tl.where(valid, (b_last - b) + i, float("-inf"))
+    return col, tl.maximum(b_last + m_c, tl.max(col, 0))
 
 
 @triton.autotune(configs=_configs([(64, 4, 1), (128, 8, 1)]), key=_TUNE_KEY)
@@ -119,11 +141,9 @@ def _fwd_state_kernel(K, V, B_LOG, I, C0, N0, STATE_C, STATE_N, STATE_M,
         st = bh * (NC + 1) + c
         tl.store(STATE_C + st * DQK * DV + kv, C, mask=kv_ok)
         tl.store(STATE_N + st * DQK + offs_k, n, mask=n_ok)
-        offs, r, valid, b, i, D, last, b_last, carried, intra, m_row = _chunk(
-            B_LOG, I, bh, c, m_c, N, CHUNK, BLOCK_L)
+        offs, r, valid, b, i, last, b_last = _gates(B_LOG, I, bh, c, N, CHUNK, BLOCK_L)
         # The last row's stabiliser, as _fwd_chunk_kernel computes it: the new state's scale.
-        col = tl.where(valid, (b_last - b) + i, float("-inf"))
-        m_new = tl.maximum(b_last + m_c, tl.max(col, 0))
+        col, m_new = _last_row_stabiliser(valid, b, i, b_last, m_c)
         k = _load_tile(K + bb * skb + hh * skh, offs, offs_k, skn, skd, N, DQK) * tl.exp(col - m_new)[:, None]
         v = _load_tile(V + bb * svb + hh * svh, offs, offs_v, svn, svd, N, DV)
         decay = tl.exp(b_last + m_c - m_new)  # 0 for an empty incoming state (m_c = -inf)
@@ -150,8 +170,8 @@ def _fwd_chunk_kernel(Q, K, V, B_LOG, I, STATE_C, STATE_N, STATE_M, H_OUT, QN, M
     pid_v = tl.program_id(2)
     bb = bh // H
     hh = bh % H
-    offs, r, valid, b, i, D, last, b_last, carried, intra, m_row = _chunk(
-        B_LOG, I, bh, c, tl.load(STATE_M + bh * (NC + 1) + c), N, CHUNK, BLOCK_L)
+    offs, r, valid, b, i, last, b_last = _gates(B_LOG, I, bh, c, N, CHUNK, BLOCK_L)
+    D, carried, intra, m_row = _stabilise(r, valid, b, i, tl.load(STATE_M + bh * (NC + 1) + c))
     offs_k = tl.arange(0, BLOCK_DQK)
     offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
     q = _load_tile(Q + bb * sqb + hh * sqh, offs, offs_k, sqn, sqd, N, DQK) * scale
@@ -212,8 +232,8 @@ def _bwd_state_kernel(Q, DH, B_LOG, I, STATE_M, DEN, DQN, G_ROW, DC_N, DN_N, DM_
     for back in range(0, NC):
         c = NC - 1 - back
         m_c = tl.load(STATE_M + bh * (NC + 1) + c)
-        offs, r, valid, b, i, D, last, b_last, carried, intra, m_row = _chunk(
-            B_LOG, I, bh, c, m_c, N, CHUNK, BLOCK_L)
+        offs, r, valid, b, i, last, b_last = _gates(B_LOG, I, bh, c, N, CHUNK, BLOCK_L)
+        D, carried, intra, m_row = _stabilise(r, valid, b, i, m_c)
         g = tl.load(G_ROW + bh * N + offs, mask=valid, other=0.0) + tl.where(r == last, dm, 0.0)
         dm = tl.sum(_carried_share(valid, carried, intra) * g, 0)
         carry = tl.where(valid, tl.exp(carried - m_row), 0.0)
@@ -231,7 +251,9 @@ def _bwd_state_kernel(Q, DH, B_LOG, I, STATE_M, DEN, DQN, G_ROW, DC_N, DN_N, DM_
             tl.store(GRAD_M + st, dm)
 
 
-@triton.autotune(configs=_configs([(64, 8, 1), (32, 4, 1)]), key=_TUNE_KEY)
+# Register pressure: at d_qk 128 / chunk 64 this kernel keeps ~4 fp32 64×128 and ~6 fp32 64×64 tiles
+# live, ~450 registers a thread at 4 warps (spills); 8 warps halve that.
+@triton.autotune(configs=_configs([(32, 8, 1), (64, 8, 1)]), key=_TUNE_KEY)
 @triton.jit
 def _bwd_chunk_kernel(Q, K, V, DH, B_LOG, I, STATE_C, STATE_N, STATE_M, GRAD_C, GRAD_N, GRAD_M,
                       DEN, DQN, G_ROW, DQ, DK, DV_OUT, DI, DB,
@@ -250,8 +272,8 @@ def _bwd_chunk_kernel(Q, K, V, DH, B_LOG, I, STATE_C, STATE_N, STATE_M, GRAD_C, 
     bb = bh // H
     hh = bh % H
     m_c = tl.load(STATE_M + bh * (NC + 1) + c)
-    offs, r, valid, b, i, D, last, b_last, carried, intra, m_row = _chunk(
-        B_LOG, I, bh, c, m_c, N, CHUNK, BLOCK_L)
+    offs, r, valid, b, i, last, b_last = _gates(B_LOG, I, bh, c, N, CHUNK, BLOCK_L)
+    D, carried, intra, m_row = _stabilise(r, valid, b, i, m_c)
     m_next = tl.load(STATE_M + bh * (NC + 1) + c + 1)
     offs_k = tl.arange(0, BLOCK_DQK)
     k_ok = offs_k < DQK
