@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 
 from megabam.config import ConfigError, load_config
 from megabam.model import Decoder
-from megabam.parallel.pipeline import BlockStage, EmbeddingStage
+from megabam.parallel.pipeline import BlockStage, EmbeddingStage, FinalNormStage, HeadStage
 from megabam.train.engine import build_engine, build_topology, init_distributed
 from megabam.train.optim import build_optimizer, build_scheduler
-from megabam.train.trainer import _train_step
+from megabam.train.trainer import _head_parameters, _train_step
 
 V, SEQ, MICRO, ACCUM, STEPS = 64, 32, 2, 3, 3
 LOSS_RTOL = 1e-5  # relative, per step; measured ≤ 2e-7
@@ -38,9 +38,9 @@ SWAX = ["model.layer_pattern=[SM]"]
 
 @pytest.mark.parametrize("overrides,key,message", [
     (["parallel.pipeline=2", "parallel.zero_stage=2"], "parallel.zero_stage",
-     "stage 2 cannot be combined with pipeline parallelism; use 0 or 1"),
-    (["parallel.pipeline=2", "parallel.zero_stage=0", "train.precision=bf16", "train.max_bad_steps=0"],
-     "parallel.zero_stage", "bf16 with stage 0 under pipeline parallelism writes checkpoints DeepSpeed cannot load; use 1"),
+     "stage 2 cannot be combined with pipeline parallelism; use 1"),
+    (["parallel.pipeline=2", "parallel.zero_stage=0", "train.max_bad_steps=0"], "parallel.zero_stage",
+     "stage 0 cannot be combined with pipeline parallelism; use 1"),
     (["parallel.pipeline=4", "model.n_layers=2", "parallel.zero_stage=1"], "parallel.pipeline",
      "4 stages but only model.n_layers=2 layers"),
     (["parallel.pipeline=2", "model.n_layers=4", "parallel.pipeline_boundaries=[1, 2]"], "parallel.pipeline_boundaries",
@@ -52,7 +52,7 @@ SWAX = ["model.layer_pattern=[SM]"]
     (["parallel.pipeline_boundaries=[1]"], "parallel.pipeline_boundaries", "given but parallel.pipeline is 1"),
     (["parallel.pipeline=2", "model.attention.bam.shared_across_layers=true"], "model.attention.bam.shared_across_layers",
      "a prior shared across layers cannot be split over pipeline stages; set it false"),
-], ids=["zero2", "bf16_zero0", "stages", "bounds_count", "bounds_order", "bounds_range", "bounds_without_pp", "shared_prior"])
+], ids=["zero2", "zero0", "stages", "bounds_count", "bounds_order", "bounds_range", "bounds_without_pp", "shared_prior"])
 def test_pipeline_settings_that_cannot_work_are_one_line_errors(overrides, key, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
@@ -120,12 +120,14 @@ def _local_parameters(module) -> dict[str, torch.Tensor]:
     for f in module.forward_funcs:
         if isinstance(f, BlockStage):
             out.update({f"blocks.{f.index}.{n}": p for n, p in f.block.named_parameters()})
-    for key, tied in module.tied_modules.items():
-        assert isinstance(tied, EmbeddingStage)
-        out["embed.weight"] = tied.embed.weight
-    for f in module.forward_funcs:
-        if type(f).__name__ == "FinalNormStage":
+        elif isinstance(f, EmbeddingStage):
+            out["embed.weight"] = f.embed.weight
+        elif isinstance(f, FinalNormStage):
             out["norm.weight"] = f.norm.weight
+        elif isinstance(f, HeadStage):
+            out["lm_head.weight"] = f.lm_head.weight
+    for tied in module.tied_modules.values():
+        out["embed.weight"] = tied.embed.weight
     return out
 
 
@@ -147,12 +149,18 @@ def _check_against_single(overrides: list[str], window) -> None:
         assert rel <= LOSS_RTOL, (step, loss, want)
         assert trained.engine.get_global_grad_norm() == pytest.approx(want_norm, rel=1e-5), step
         worst = max(worst, rel)
+    # Per-head values logged by rank 0 cover the layers of every stage.
+    logged_layers = {int(key.split("/")[1][len("layer"):]) for key in _head_parameters(trained, topology)}
+    assert logged_layers == {i for i, b in enumerate(reference.blocks) if getattr(b.mixer, "ssmax_s", None) is not None}
     if topology.tp_size == 1:
         # Every parameter this stage holds equals the reference's after the steps; both stages hold
         # the tied embedding, so the two copies also equal each other (they stayed tied).
         local = _local_parameters(trained.engine.module)
-        assert ("embed.weight" in local) == (topology.pp_rank in (0, topology.pp_size - 1))
+        first, last = topology.pp_rank == 0, topology.pp_rank == topology.pp_size - 1
+        assert ("embed.weight" in local) == (first or (last and cfg.model.tie_embeddings))
+        assert ("lm_head.weight" in local) == (last and not cfg.model.tie_embeddings)
         ref = dict(reference.named_parameters())
+        assert len(local) == sum(p.numel() > 0 for p in trained.engine.module.parameters()), "a parameter unchecked"
         for name, p in local.items():
             diff = (p.detach() - ref[name].detach()).abs().max().item()
             assert diff <= PARAM_ATOL, (name, diff)
@@ -168,6 +176,7 @@ def _check_models(variants) -> None:
 def test_two_pipeline_stages_match_one_process_for_bam_and_swax():
     _spawn(2, _check_models, [
         (BAM + ["parallel.pipeline=2"], None),
+        (BAM + ["parallel.pipeline=2", "model.tie_embeddings=false"], None),  # the LM head as a stage of its own
         # explicit stage boundary, a window per step, selective recomputation inside the stages
         (SWAX + ["parallel.pipeline=2", "parallel.pipeline_boundaries=[1]", "parallel.recompute=selective"], 8),
     ])

@@ -6,12 +6,11 @@ counts the payload of every collective the tensor-parallel layers issue (torch.d
 all_reduce and all_gather, wrapped here to count). The expected payload per rank and step, for
 activations of B·N·d elements (B sequences of N tokens per step, width d) of `bytes` bytes each, is
 
-    V_TP = (2 + Σ_layers (3 + c_mixer)) · B·N·d·bytes + 3 · B·N · 4
+    V_TP = (2 + 4 · layers) · B·N·d·bytes + 3 · B·N · 4
 
 - per layer, the forward all-reduces the mixer's and the MLP's row-parallel outputs (2) and the
-  backward all-reduces the input gradient of each column-parallel linear: the mixer's c_mixer
-  (attention 1: the fused qkv; mLSTM 6: q, k, v, i, f, o; Gated DeltaNet 4: qkv, a, b, gate) and the
-  MLP's fused gate_up (1);
+  backward all-reduces the input gradient of each region once: the mixer's (attention's fused qkv;
+  mLSTM's six and Gated DeltaNet's four projections share one entry) and the MLP's fused gate_up;
 - the vocab-parallel embedding all-reduces its output (forward) and the LM head its input gradient
   (backward): the 2;
 - the vocab-parallel loss all-reduces three fp32 numbers per token (row max, sum of exponentials,
@@ -58,32 +57,29 @@ import torch.multiprocessing as mp
 from megabam.config import load_config
 from megabam.data.layout import ParallelLayout
 from megabam.model import Decoder
-from megabam.model.transformer import expand_pattern
 from megabam.parallel.sequence_parallel import apply_sp
 from megabam.parallel.tensor_parallel import apply_tp
 from megabam.parallel.topology import Topology
 
 BASE = ["model.vocab_size=4096", "model.d_model=128", "model.n_layers=4", "model.n_heads=4", "data.seq_len=256",
         "model.attention.block_size=128"]
-MODELS = {  # tiny_cpu's shape; the SWAX pattern checks the formula's mLSTM count
+MODELS = {  # tiny_cpu's shape; the SWAX pattern checks that mLSTM layers enter their region once
     "BAM attention": BASE,
     "SWAX [SM]": BASE + ["model.layer_pattern=[SM]", "model.swa.window=128", "window.windows=[128]",
                          "window.probabilities=[1.0]"],
 }
 BATCH = 8  # global batch in sequences: every TP rank processes all of it
-COLUMN_LINEARS = {"attention": 1, "swa": 1, "mlstm": 6, "gated_deltanet": 4}
 
 
 def expected_payload(overrides: list[str], batch: int, sp: bool) -> int:
     """V_TP or V_SP of the docstring, in bytes, for fp32 activations."""
     config = load_config(None, overrides)
-    m, period = config.model, expand_pattern(config.model.layer_pattern)
-    layers = period * (m.n_layers // len(period))
+    layers, d = config.model.n_layers, config.model.d_model
     tokens = batch * config.data.seq_len
-    per_activation = tokens * m.d_model * 4
+    per_activation = tokens * d * 4
     if sp:
-        return (4 + 8 * len(layers)) * per_activation + 3 * tokens * 4 + (2 * len(layers) + 1) * m.d_model * 4
-    return (2 + sum(3 + COLUMN_LINEARS[name] for name in layers)) * per_activation + 3 * tokens * 4
+        return (4 + 8 * layers) * per_activation + 3 * tokens * 4 + (2 * layers + 1) * d * 4
+    return (2 + 4 * layers) * per_activation + 3 * tokens * 4
 
 
 def _count_collectives(counter: dict) -> None:

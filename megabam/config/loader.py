@@ -252,12 +252,10 @@ def _validate_pipeline(c: Config, require) -> None:
         return
     require(n_layers >= pp, "parallel.pipeline", f"{pp} stages but only model.n_layers={n_layers} layers")
     # DeepSpeed refuses ZeRO-2/3 with its pipeline engine (gradients partitioned while micro-batches
-    # are still accumulating them); say so before any process starts.
-    require(c.parallel.zero_stage <= 1, "parallel.zero_stage",
-            f"stage {c.parallel.zero_stage} cannot be combined with pipeline parallelism; use 0 or 1")
-    # DeepSpeed saves the bf16 optimizer of stage 0 under its pipeline engine but fails to load it.
-    require(c.parallel.zero_stage == 1 or c.train.precision != "bf16", "parallel.zero_stage",
-            "bf16 with stage 0 under pipeline parallelism writes checkpoints DeepSpeed cannot load; use 1")
+    # are still accumulating them). Without ZeRO its gradient norm counts a tied embedding on both
+    # stages that hold it, and in bf16 it writes checkpoints it cannot load. Only stage 1 is right.
+    require(c.parallel.zero_stage == 1, "parallel.zero_stage",
+            f"stage {c.parallel.zero_stage} cannot be combined with pipeline parallelism; use 1")
     if bounds:
         require(len(bounds) == pp - 1, "parallel.pipeline_boundaries",
                 f"needs parallel.pipeline − 1 = {pp - 1} indices, got {len(bounds)}")

@@ -133,7 +133,7 @@ class ParallelConfig:
     tensor: int = doc(1, "Tensor-parallel size.")
     pipeline: int = doc(
         1, "Pipeline-parallel size: DeepSpeed's pipeline engine (1F1B) over train.grad_accum micro-batches "
-        "per step; needs zero_stage 0 or 1."
+        "per step; needs zero_stage 1."
     )
     pipeline_boundaries: list[int] = doc(
         [], "First layer index of each pipeline stage after the first (pipeline − 1 increasing indices); "

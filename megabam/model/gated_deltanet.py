@@ -96,6 +96,9 @@ class GatedDeltaNet(nn.Module):
         self.gate = nn.Linear(d, d, bias=False)
         self.norm_weight = nn.Parameter(torch.ones(self.n_heads * self.head_dim))  # head-major
         self.out = nn.Linear(d, d, bias=False)
+        # Where x enters the four projections that read it: the identity here; tensor parallelism
+        # makes it the one collective they share (megabam/parallel/tensor_parallel.py).
+        self.enter = nn.Identity()
 
     def _inputs(self, x: Tensor, conv_cache: Optional[Tensor]) -> tuple[tuple[Tensor, ...], Tensor]:
         """(q, k, v (B, H, N, D), g, β (B, H, N)) and the new convolution cache."""
@@ -122,6 +125,7 @@ class GatedDeltaNet(nn.Module):
     def stream(self, x: Tensor, state: Optional[GatedDeltaNetState], seq: SequenceInfo) -> tuple[Tensor, GatedDeltaNetState]:
         """Continue from `state` (None = start) over x (B, N, d); returns (output, state after the last
         step). Several steps run the chunkwise form, a single step (generation) the recurrent one."""
+        x = self.enter(x)
         inputs, conv = self._inputs(x, None if state is None else state.conv)
         inputs = [t.to(compute_dtype(x)) for t in inputs]
         S = None if state is None else state.S

@@ -47,6 +47,9 @@ class MLstm(nn.Module):
         self.qk_dim, self.v_dim = d // 2 // self.n_heads, d // self.n_heads
         self.chunk_size, self.soft_cap, self.eps, self.norm_eps = c.chunk_size, c.gate_soft_cap, c.eps, cfg.norm_eps
         self.kernels = cfg.kernels
+        # Where x enters the six projections that read it: the identity here; tensor parallelism makes
+        # it the one collective they share (megabam/parallel/tensor_parallel.py).
+        self.enter = nn.Identity()
         self.q = nn.Linear(d, d // 2, bias=False)
         self.k = nn.Linear(d, d // 2, bias=False)
         self.v = nn.Linear(d, d, bias=False)
@@ -83,6 +86,7 @@ class MLstm(nn.Module):
         """Continue from `state` (None = start) over x (B, N, d); returns (output, state after the last
         step). Several steps run the chunkwise form on the op the dispatch point picks (the Triton kernel
         on CUDA tensors), a single step (generation) the recurrent one."""
+        x = self.enter(x)
         inputs = [t.to(compute_dtype(x)) for t in self._inputs(x)]
         if x.shape[1] == 1:
             h, state = mlstm_recurrent(*inputs, self.eps, state)

@@ -148,22 +148,14 @@ def build_pipeline(model: Decoder, topology: Topology, boundaries: list[int], co
     if mine != (topology.dp_rank, topology.pp_rank, topology.tp_rank):
         raise RuntimeError(f"DeepSpeed's pipeline grid places rank {topology.rank} at (dp, pp, tp) = {mine}, "
                            f"the topology at {(topology.dp_rank, topology.pp_rank, topology.tp_rank)}")
-    _mark_for_gradient_norm(pipeline, topology)
+    _release_other_stages(model, pipeline)
     return pipeline
 
 
-def _mark_for_gradient_norm(pipeline: nn.Module, topology: Topology) -> None:
-    """Make DeepSpeed's gradient norm count every parameter of the model exactly once.
-
-    Under the pipeline engine DeepSpeed sums the norm over all ranks of a data-parallel replica
-    (every stage, every tensor rank) and counts a parameter there when it is marked model-parallel,
-    unmarked ones only on the replica's first rank, and skips the second copy of a tied embedding
-    (`ds_pipe_replicated`). Tensor-parallel shards are already marked; a parameter replicated over
-    the tensor group is marked on tensor rank 0 of each stage, so each stage's norms and other
-    replicated parameters count once.
-    """
-    if topology.tp_rank != 0:
-        return
-    for p in pipeline.parameters():
-        if not getattr(p, "tensor_model_parallel", False):
-            p.model_parallel = True
+def _release_other_stages(model: Decoder, pipeline: nn.Module) -> None:
+    """Move the layers of other stages to the meta device. DeepSpeed keeps the layer list it was
+    given, so without this every rank would hold the whole model for the whole run."""
+    local = {id(p) for p in pipeline.parameters()}
+    for module in [model.embed, *model.blocks, model.norm, model.lm_head]:
+        if module is not None and not any(id(p) in local for p in module.parameters()):
+            module.to("meta")

@@ -7,8 +7,8 @@ TP. The swaps, each a subclass that changes only how a module enters or leaves i
 - every region (mixer, SwiGLU, output head) starts after a norm: the norm runs on the shard, then
   all-gathers the sequence (backward: reduce-scatter, which sums the ranks' partial input gradients),
   so the column-parallel linears and the head take their input as it comes, without the
-  copy_to_tensor_region of plain TP. One gather per region, however many projections read it (six
-  in mLSTM), and `stream` passes through the same norms as `forward`;
+  copy_to_tensor_region of plain TP (a recurrent mixer's shared entry becomes the identity). One
+  gather per region, and `stream` passes through the same norms as `forward`;
 - every row-parallel linear reduce-scatters its partial outputs along the sequence instead of
   all-reducing them;
 - the vocab-parallel embedding reduce-scatters its partial embeddings into shards, and the
@@ -31,16 +31,9 @@ from megabam.model.positional import SinusoidalPositions
 from megabam.model.transformer import Decoder
 from megabam.parallel.mappings import (copy_to_tensor_region, gather_from_sequence_region,
                                        reduce_scatter_to_sequence_region)
-from megabam.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                              VocabParallelOutput)
+from megabam.parallel.tensor_parallel import (ColumnParallelLinear, CopyToTensorRegion, EnteredColumnParallelLinear,
+                                              RowParallelLinear, VocabParallelEmbedding, VocabParallelOutput)
 from megabam.parallel.topology import Topology
-
-
-class SequenceParallelColumnLinear(ColumnParallelLinear):
-    """Its input is already the whole sequence, gathered by the norm before the region."""
-
-    def enter(self, x: Tensor) -> Tensor:
-        return x
 
 
 class SequenceParallelRowLinear(RowParallelLinear):
@@ -92,9 +85,12 @@ class ShardedSinusoidalPositions(SinusoidalPositions):
 
 
 def _swap(module: nn.Module, g) -> nn.Module:
-    """The sequence-parallel version of a TP linear, holding the same parameter tensors."""
+    """The sequence-parallel version of a TP module of a region, holding the same parameter tensors:
+    the norm before the region has gathered its input, so nothing else enters it."""
+    if isinstance(module, CopyToTensorRegion):
+        return nn.Identity()
     if isinstance(module, ColumnParallelLinear):
-        return SequenceParallelColumnLinear(module.weight.data, None if module.bias is None else module.bias.data, g)
+        return EnteredColumnParallelLinear(module.weight.data, None if module.bias is None else module.bias.data, g)
     if isinstance(module, RowParallelLinear):
         return SequenceParallelRowLinear(module.weight.data, g)
     return module

@@ -75,6 +75,26 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(self.enter(x), self.weight, self.bias)
 
 
+class EnteredColumnParallelLinear(ColumnParallelLinear):
+    """A column-parallel linear whose input has already entered the region: through its mixer's shared
+    `CopyToTensorRegion`, or under sequence parallelism through the norm's gather."""
+
+    def enter(self, x: Tensor) -> Tensor:
+        return x
+
+
+class CopyToTensorRegion(nn.Module):
+    """copy_to_tensor_region as a module: the single entry of a mixer whose projections all read the
+    same input. One backward all-reduce of the summed input gradient instead of one per projection."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        return copy_to_tensor_region(x, self.group)
+
+
 class RowParallelLinear(nn.Module):
     """x·Wᵀ from this rank's slice of the input features: partial products summed over the group."""
 
@@ -193,21 +213,23 @@ def _shard_attention(attn: Attention, topology: Topology, sharded: set[int]) -> 
 
 def _shard_mlstm(cell: MLstm, topology: Topology, sharded: set[int]) -> None:
     cell.n_heads = _local_heads(cell.n_heads, topology, "mLSTM")
+    cell.enter = CopyToTensorRegion(topology.tp_group)
     for name in ("q", "k", "v", "igate", "fgate", "ogate"):
-        setattr(cell, name, ColumnParallelLinear.from_linear(getattr(cell, name), topology))
+        setattr(cell, name, EnteredColumnParallelLinear.from_linear(getattr(cell, name), topology))
     _shard_parameter(cell, "norm_weight", topology)
     cell.out = RowParallelLinear.from_linear(cell.out, topology)
 
 
 def _shard_gated_deltanet(cell: GatedDeltaNet, topology: Topology, sharded: set[int]) -> None:
     cell.n_heads = _local_heads(cell.n_heads, topology, "Gated DeltaNet")
-    cell.qkv = ColumnParallelLinear.from_linear(cell.qkv, topology, parts=3)
+    cell.enter = CopyToTensorRegion(topology.tp_group)
+    cell.qkv = EnteredColumnParallelLinear.from_linear(cell.qkv, topology, parts=3)
     # The depthwise convolution has one filter per [q | k | v] channel: keep those of the local heads.
     conv = cell.conv
     conv.weight = sharded_parameter(shard(conv.weight, 0, topology.tp_rank, topology.tp_size, parts=3))
     conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
     for name in ("a", "b", "gate"):
-        setattr(cell, name, ColumnParallelLinear.from_linear(getattr(cell, name), topology))
+        setattr(cell, name, EnteredColumnParallelLinear.from_linear(getattr(cell, name), topology))
     for name in ("A_log", "dt_bias", "norm_weight"):
         _shard_parameter(cell, name, topology)
     cell.out = RowParallelLinear.from_linear(cell.out, topology)

@@ -44,7 +44,7 @@ def _free_port() -> int:
 
 
 def deepspeed_config(cfg: Config) -> dict:
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.train.grad_accum,
         "gradient_clipping": cfg.optim.grad_clip,
@@ -55,12 +55,13 @@ def deepspeed_config(cfg: Config) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
-        # DeepSpeed splits an activation sent between stages over the tensor group and gathers it on
-        # arrival, assuming every tensor rank holds the same activation; under sequence parallelism each
-        # holds its own sequence shard (already 1/TP of the data), so it is sent whole.
-        "pipeline": {"pipe_partitioned": not cfg.parallel.sequence_parallel,
-                     "grad_partitioned": not cfg.parallel.sequence_parallel},
     }
+    if cfg.parallel.pipeline > 1 and cfg.parallel.sequence_parallel:
+        # DeepSpeed splits an activation sent between stages over the tensor group and gathers it on
+        # arrival, assuming every tensor rank holds the same activation; under sequence parallelism
+        # each holds its own sequence shard (already 1/TP of the data), so it is sent whole.
+        config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
+    return config
 
 
 @dataclass

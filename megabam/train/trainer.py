@@ -240,7 +240,7 @@ def _loop(cfg, trained, topology, train_loader, val_loader, sampler, tokenizer, 
                        "tflops_per_device": tokens_per_s * trained.flops_per_token / world / 1e12}
             if peak:
                 metrics["mfu"] = metrics["tflops_per_device"] / peak
-            metrics.update(head_parameters(trained.local_blocks()))
+            metrics.update(_head_parameters(trained, topology))
             log.log(done, metrics)
             interval_losses = []
         if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
@@ -343,9 +343,21 @@ def _endless(loader) -> Iterator[dict]:
         yield from loader
 
 
+def _head_parameters(trained: TrainingModel, topology) -> dict[str, float]:
+    """Per-head prior and SSMax values of every layer this rank's pipeline holds (collective over the
+    pipeline group; each stage knows its own layers). Under TP, this tensor rank's heads."""
+    mine = head_parameters(trained.local_blocks())
+    if topology.pp_size == 1:
+        return mine
+    stages: list = [None] * topology.pp_size
+    dist.all_gather_object(stages, mine, group=topology.pp_group)
+    return {key: value for stage in stages for key, value in stage.items()}
+
+
 def _train_step(trained: TrainingModel, micro_batches: list[dict], window, poison: bool) -> torch.Tensor:
-    """One optimizer step over the micro-batches; returns the sum of their losses (float64, this rank's
-    view: under pipeline parallelism the engine's mean over micro-batches and data-parallel ranks)."""
+    """One optimizer step over the micro-batches; returns their losses summed (float64). Under
+    pipeline parallelism the engine returns the mean over the micro-batches and data-parallel ranks
+    on every rank, so the sum is that mean times the number of micro-batches."""
     engine = trained.engine
     if trained.pipeline is not None:
         trained.pipeline.window, trained.pipeline.poison_loss = window, poison
@@ -373,6 +385,10 @@ def evaluate(trained: TrainingModel, loader, max_batches: int, device: torch.dev
     engine = trained.engine
     batches = [{k: v.to(device) for k, v in b.items()} for b in itertools.islice(loader, max_batches)]
     if trained.pipeline is not None:
+        # Every stage must run the same number of micro-batches: the fewest any rank has.
+        count = torch.tensor([len(batches)], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN)
+        batches = batches[:int(count)]
         if not batches:
             return math.nan
         trained.pipeline.window, trained.pipeline.poison_loss = None, False
