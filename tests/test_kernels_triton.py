@@ -28,6 +28,7 @@ import torch
 
 os.environ["TRITON_INTERPRET"] = "1"
 import kernels.bam_attention_triton as kt  # noqa: E402
+from dispatch_spy import spy_on_ops  # noqa: E402
 from kernels import dispatch  # noqa: E402
 from kernels.bam_attention import bam_attention  # noqa: E402
 
@@ -210,21 +211,8 @@ def test_rejects_unsupported_dtype():
 
 @pytest.fixture
 def ops(monkeypatch):
-    """Records which op the dispatch point ran ("reference" / "triton") and resets its log-once set."""
-    ran = []
-
-    def spy(name, real):
-        def op(*args, **kwargs):
-            ran.append(name)
-            return real(*args, **kwargs)
-        return op
-
-    monkeypatch.setattr(dispatch, "bam_attention", spy("reference", bam_attention))
-    monkeypatch.setattr(kt, "bam_attention_triton", spy("triton", kt.bam_attention_triton))
-    monkeypatch.setattr(dispatch, "_logged", set())
-    monkeypatch.delenv(dispatch.ENV, raising=False)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return ran
+    """Records which op the dispatch point ran ("reference" / "triton")."""
+    return spy_on_ops(monkeypatch, (dispatch, "bam_attention"), (kt, "bam_attention_triton"))
 
 
 def small_call(kernels="auto"):

@@ -25,6 +25,7 @@ import torch
 
 os.environ["TRITON_INTERPRET"] = "1"
 import kernels.mlstm_triton as kt  # noqa: E402
+from dispatch_spy import spy_on_ops  # noqa: E402
 from kernels import dispatch  # noqa: E402
 from kernels.mlstm import MLstmState, mlstm_chunkwise  # noqa: E402
 
@@ -160,21 +161,8 @@ def test_rejects_unsupported_dtype():
 
 @pytest.fixture
 def ops(monkeypatch):
-    """Records which op the dispatch point ran ("reference" / "triton") and resets its log-once set."""
-    ran = []
-
-    def spy(name, real):
-        def op(*args, **kwargs):
-            ran.append(name)
-            return real(*args, **kwargs)
-        return op
-
-    monkeypatch.setattr(dispatch, "mlstm_chunkwise_reference", spy("reference", mlstm_chunkwise))
-    monkeypatch.setattr(kt, "mlstm_chunkwise_triton", spy("triton", kt.mlstm_chunkwise_triton))
-    monkeypatch.setattr(dispatch, "_logged", set())
-    monkeypatch.delenv(dispatch.ENV, raising=False)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return ran
+    """Records which op the dispatch point ran ("reference" / "triton")."""
+    return spy_on_ops(monkeypatch, (dispatch, "mlstm_chunkwise_reference"), (kt, "mlstm_chunkwise_triton"))
 
 
 def small_call(kernels="auto"):

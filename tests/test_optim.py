@@ -2,7 +2,6 @@
 import math
 
 import pytest
-import torch
 
 from megabam.config import load_config
 from megabam.model import Decoder

@@ -3,12 +3,11 @@ config changes — the resumed run must repeat the uninterrupted run's losses ex
 import os
 import random
 import signal
-import subprocess
 
 import psutil
 import pytest
 
-from runs import ENV, REPO, losses, megabam_train, start_train, train_command, wait_for_step
+from runs import losses, megabam_train, start_train, wait_for_step
 
 STEPS = 14
 RUN = [f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=2", "eval.passkey_samples=0",

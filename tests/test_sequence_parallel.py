@@ -12,7 +12,8 @@ from megabam.parallel.sequence_parallel import apply_sp
 from megabam.parallel.tensor_parallel import apply_tp, count_parameters
 from megabam.parallel.topology import Topology
 from runs import losses, megabam_train
-from test_tensor_parallel import BAM, GRAD_ATOL, LOSS_RTOL, SEED, SEQ, STEPS, V, _batch, _gather, _spawn
+from spawn import spawn
+from test_tensor_parallel import BAM, GRAD_ATOL, LOSS_RTOL, SEED, SEQ, STEPS, V, _batch, _gather
 
 
 # --- config validation ----------------------------------------------------------------------------
@@ -115,7 +116,7 @@ VARIANTS = [  # BAM with SSMax and an untied head; SWAX [SM] with sinusoidal SWA
 
 
 def test_sp_matches_tp_and_tp1_over_three_adamw_steps():
-    _spawn(2, _check, VARIANTS)
+    spawn(2, _check, VARIANTS)
 
 
 # --- end to end through `megabam train` --------------------------------------------------------------

@@ -3,12 +3,9 @@
 Each test spawns its ranks; every rank also builds the TP=1 model from the same seed and runs it
 alone, which is the reference (no collective touches it). Tolerances are for fp32.
 """
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from megabam.config import ConfigError, load_config
@@ -19,30 +16,11 @@ from megabam.parallel.mappings import (copy_to_tensor_region, gather_from_sequen
                                        scatter_to_tensor_region)
 from megabam.parallel.tensor_parallel import apply_tp, count_parameters, vocab_parallel_cross_entropy
 from megabam.parallel.topology import Topology
+from spawn import spawn
 
 V, SEQ, BATCH, SEED, STEPS = 64, 32, 2, 7, 3
 LOSS_RTOL = 1e-5  # relative, per step
 GRAD_ATOL = 1e-5  # absolute, per gradient element (the largest gradients here are ~0.1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn, args) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        fn(*args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(world: int, fn, *args) -> None:
-    """Run fn(*args) on `world` gloo ranks; an exception in any rank fails the test with its traceback."""
-    mp.start_processes(_entry, args=(world, _free_port(), fn, args), nprocs=world, start_method="spawn")
 
 
 # --- config validation ----------------------------------------------------------------------------
@@ -92,7 +70,7 @@ def _check_topology() -> None:
 
 
 def test_topology_groups_for_2x2_layouts():
-    _spawn(4, _check_topology)
+    spawn(4, _check_topology)
 
 
 # --- mappings and the vocab-parallel loss ---------------------------------------------------------
@@ -150,7 +128,7 @@ def _check_mappings() -> None:
 
 
 def test_mappings_and_vocab_parallel_loss_match_single_process_math():
-    _spawn(2, _check_mappings)
+    spawn(2, _check_mappings)
 
 
 # --- whole models: TP=2 against TP=1 from the same seed --------------------------------------------
@@ -270,4 +248,4 @@ SWAX_VARIANTS = [  # SWAX ([SM]: SWA and mLSTM) and Gated DeltaNet beside full a
 
 @pytest.mark.parametrize("variants", [BAM_VARIANTS, SWAX_VARIANTS], ids=["bam", "swax"])
 def test_tp2_matches_tp1_over_three_adamw_steps(variants):
-    _spawn(2, _check_models, variants)
+    spawn(2, _check_models, variants)

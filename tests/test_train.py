@@ -6,7 +6,7 @@ import pytest
 
 from megabam.config import load_config
 from megabam.train.window_sampler import WindowSampler
-from runs import CONFIG, REPO, SMALL, logged, losses, megabam_train
+from runs import REPO, SMALL, logged, losses, megabam_train
 
 SWAX = REPO / "yaml_configs" / "swax_tiny_cpu.yaml"
 

@@ -101,7 +101,7 @@ def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
     torch.set_flush_denormal(True)
     run_dir, resuming = choose_run_directory(cfg, fresh, resume)
     init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     topology = build_topology(cfg)
     dist.barrier()  # every rank has chosen the directory before rank 0 writes into it
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
