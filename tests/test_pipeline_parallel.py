@@ -124,6 +124,10 @@ def _check_against_single(overrides: list[str], window) -> None:
         assert rel <= LOSS_RTOL, (step, loss, want)
         assert trained.engine.get_global_grad_norm() == pytest.approx(want_norm, rel=1e-5), step
         worst = max(worst, rel)
+    # Greedy predictions through the stages (passkey scoring) are the whole model's, on every rank.
+    ids = torch.randint(0, V, (1, SEQ), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(trained.predict(ids), reference(ids).argmax(-1))
     # Per-head values logged by rank 0 cover the layers of every stage.
     logged_layers = {int(key.split("/")[1][len("layer"):]) for key in _head_parameters(trained, topology)}
     assert logged_layers == {i for i, b in enumerate(reference.blocks) if getattr(b.mixer, "ssmax_s", None) is not None}

@@ -5,6 +5,7 @@ pass over prompt + key scores all key positions at once (teacher forcing): if ev
 greedy decoding would have produced exactly the key.
 """
 import random
+from typing import Callable
 
 import torch
 
@@ -13,22 +14,25 @@ from megabam.data.tokenizer import Tokenizer
 
 
 @torch.no_grad()
-def passkey_accuracy(model, tokenizer: Tokenizer, n_tokens: int, n_samples: int, seed: int, device) -> float:
+def passkey_accuracy(predict: Callable[[torch.Tensor], torch.Tensor], tokenizer: Tokenizer, n_tokens: int,
+                     n_samples: int, seed: int, device) -> float:
     """Share of `n_samples` prompts of `n_tokens` tokens (needle depths spread evenly over 0..1)
-    whose key the model reproduces."""
+    whose key the model reproduces. `predict(ids)` maps token ids (1, n) to the model's most likely
+    next token at each position (1, n), e.g. `greedy(model)`."""
     rng = random.Random(seed)
-    was_training = model.training
-    model.eval()
     hits = 0
     for i in range(n_samples):
         key = random_key(rng)
         answer_len = len(tokenizer.encode(f" {key}"))
         sample = passkey_sample(tokenizer, n_tokens - answer_len, i / max(1, n_samples - 1), key)
         ids = torch.tensor([sample.prompt_ids + sample.answer_ids], device=device)
-        # All n tokens go in (the last position's logits go unused) so that a sequence-parallel model,
-        # which needs lengths divisible by its TP size, scores n = data.seq_len as it trains.
-        logits = model(ids)
-        predicted = logits[0, -len(sample.answer_ids) - 1:-1].argmax(-1)
+        # All n tokens go in (the last position's prediction goes unused) so that a sequence-parallel
+        # model, which needs lengths divisible by its TP size, scores n = data.seq_len as it trains.
+        predicted = predict(ids)[0, -len(sample.answer_ids) - 1:-1]
         hits += int(predicted.tolist() == sample.answer_ids)
-    model.train(was_training)
     return hits / n_samples
+
+
+def greedy(model) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`predict` for a whole model called as model(ids) → logits: their argmax."""
+    return lambda ids: model(ids).argmax(-1)

@@ -65,6 +65,10 @@ class VocabOutput(nn.Module):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The most likely token at each position, from this rank's logits."""
+        return logits.argmax(-1)
+
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, mixer: nn.Module):

@@ -22,6 +22,7 @@ from functools import partial
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import ProcessTopology
 from torch import Tensor, nn
@@ -150,6 +151,45 @@ def build_pipeline(model: Decoder, topology: Topology, boundaries: list[int], co
                            f"the topology at {(topology.dp_rank, topology.pp_rank, topology.tp_rank)}")
     _release_other_stages(model, pipeline)
     return pipeline
+
+
+def pipeline_greedy(pipeline: DecoderPipeline, topology: Topology, output: VocabOutput, context: StepContext,
+                    width: int, sequence_parallel: bool):
+    """`predict(ids)` (the most likely next token at each position) through the stages, for evaluation
+    outside DeepSpeed's engine (any length, no micro-batches). Collective over the pipeline group.
+
+    Each stage runs its layers on the hidden states the previous one sends (point to point, same data
+    and tensor rank); the last takes the argmax from its logits (over the tensor group without
+    gathering them) and broadcasts the ids to the other stages. The states passed between stages are
+    (B, N, width) in the model's dtype; under sequence parallelism each rank passes its N/TP shard.
+    """
+    L = topology.layout
+    shard = topology.tp_size if sequence_parallel else 1
+    last = topology.pp_size - 1
+
+    def peer(stage: int) -> int:
+        return L.rank(topology.dp_rank, stage, topology.tp_rank)
+
+    @torch.no_grad()
+    def predict(ids: Tensor) -> Tensor:
+        context.window = None
+        doc_ids = torch.zeros_like(ids)
+        x = (ids, doc_ids)
+        if topology.pp_rank > 0:
+            dtype = next(pipeline.parameters()).dtype  # DeepSpeed casts the module for bf16 training
+            states = torch.empty(ids.shape[0], ids.shape[1] // shard, width, dtype=dtype, device=ids.device)
+            dist.recv(states, src=peer(topology.pp_rank - 1))
+            x = (states, doc_ids)
+        out = pipeline(x)
+        if topology.pp_rank < last:
+            dist.send(out[0].contiguous(), dst=peer(topology.pp_rank + 1))
+            predicted = torch.empty_like(ids)
+        else:
+            predicted = output.greedy(out)
+        dist.broadcast(predicted, src=peer(last), group=topology.pp_group)
+        return predicted
+
+    return predict
 
 
 def _release_other_stages(model: Decoder, pipeline: nn.Module) -> None:

@@ -183,6 +183,17 @@ class VocabParallelOutput(VocabOutput):
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.group)
 
+    def greedy(self, logits: Tensor) -> Tensor:
+        """The argmax over the whole vocabulary without gathering the logits: each rank's best (value,
+        token) per position crosses the group; ties go to the lowest token, as torch.argmax does."""
+        best, token = logits.max(-1)
+        ranks = dist.get_world_size(self.group)
+        values, tokens = [torch.empty_like(best) for _ in range(ranks)], [torch.empty_like(token) for _ in range(ranks)]
+        dist.all_gather(values, best.contiguous(), group=self.group)
+        dist.all_gather(tokens, (token + self.vocab_start).contiguous(), group=self.group)
+        winner = torch.stack(values).argmax(0)  # the first (lowest-vocabulary) rank among equal maxima
+        return torch.stack(tokens).gather(0, winner[None]).squeeze(0)
+
 
 def _shard_parameter(module: nn.Module, name: str, topology: Topology) -> None:
     """Replace a per-head parameter or buffer (head dimension first) by this rank's heads."""

@@ -2,7 +2,7 @@
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import deepspeed
 import torch
@@ -14,7 +14,8 @@ from megabam.data.layout import ParallelLayout
 from megabam.model import Decoder
 from megabam.parallel.activation_checkpoint import apply_ac
 from megabam.parallel.deepspeed_mpu import DeepSpeedMpu
-from megabam.parallel.pipeline import StepContext, build_pipeline
+from megabam.eval.passkey import greedy
+from megabam.parallel.pipeline import StepContext, build_pipeline, pipeline_greedy
 from megabam.parallel.sequence_parallel import apply_sp
 from megabam.parallel.tensor_parallel import apply_tp
 from megabam.parallel.topology import Topology
@@ -78,6 +79,7 @@ class TrainingModel:
     params: int
     flops_per_token: float
     pipeline: Optional[StepContext]
+    predict: Callable[[torch.Tensor], torch.Tensor]  # token ids → most likely next tokens (passkey_accuracy)
 
     def local_blocks(self) -> list:
         """(layer index, block) of the decoder blocks this rank holds."""
@@ -110,11 +112,12 @@ def build_engine(cfg: Config, topology: Topology) -> TrainingModel:
         if cfg.parallel.sequence_parallel:
             apply_sp(model, topology)
     apply_ac(model, cfg.parallel.recompute, cfg.parallel.recompute_mixers)
-    context, mpu = None, DeepSpeedMpu(topology)
+    context, mpu, predict = None, DeepSpeedMpu(topology), greedy(model)
     if topology.pp_size > 1:
         # The pipeline module brings DeepSpeed's grid (built from the same topology) as its mpu.
-        context, mpu = StepContext(), None
+        context, mpu, output = StepContext(), None, model.output
         model = build_pipeline(model, topology, cfg.parallel.pipeline_boundaries, context)
+        predict = pipeline_greedy(model, topology, output, context, cfg.model.d_model, cfg.parallel.sequence_parallel)
     optimizer = build_optimizer(model, cfg.optim)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
@@ -124,4 +127,4 @@ def build_engine(cfg: Config, topology: Topology) -> TrainingModel:
         lr_scheduler=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.steps),
         config=deepspeed_config(cfg),
     )
-    return TrainingModel(engine, scheduler, params, flops_per_token, context)
+    return TrainingModel(engine, scheduler, params, flops_per_token, context, predict)

@@ -260,12 +260,12 @@ def _loop(cfg, trained, topology, train_loader, val_loader, sampler, tokenizer, 
         save(cfg.train.steps)  # a resumed run that had already reached its end
 
     passkey = {}
-    if cfg.eval.passkey_samples and trained.pipeline is not None:
-        log.write("passkey evaluation skipped: it scores logits of the whole model, which pipeline stages do not have")
-    # Every tensor-parallel rank of the first data-parallel replica takes part in the forward passes.
-    elif cfg.eval.passkey_samples and topology.dp_rank == 0:
+    # Every tensor-parallel rank and pipeline stage of the first data-parallel replica takes part.
+    if cfg.eval.passkey_samples and topology.dp_rank == 0:
+        engine.eval()
         for n in passkey_lengths:
-            passkey[n] = passkey_accuracy(engine.module, tokenizer, n, cfg.eval.passkey_samples, cfg.run.seed, device)
+            passkey[n] = passkey_accuracy(trained.predict, tokenizer, n, cfg.eval.passkey_samples, cfg.run.seed, device)
+        engine.train()
         log.log(cfg.train.steps, {f"passkey_{n}": acc for n, acc in passkey.items()})
     dist.barrier()
     if rank == 0:
