@@ -169,8 +169,14 @@ class _BAMAttention(torch.autograd.Function):
                   for i, (g, t) in enumerate(grads)), None, None, None, None)
 
 
-def check_arguments(theta_alpha, theta_beta, theta_mu, window) -> None:
+def check_arguments(q: Tensor, k: Tensor, v: Tensor, theta_alpha, theta_beta, theta_mu, window) -> None:
     """The argument rules every implementation of the op shares."""
+    h, h_k, h_v = q.shape[1], k.shape[1], v.shape[1]
+    if h_k != h_v:
+        raise ValueError(f"k and v must have the same number of heads, got {h_k} and {h_v}")
+    if h_k < 1 or h % h_k:
+        raise ValueError(f"k and v have {h_k} heads, which does not divide q's {h} heads "
+                         f"(grouped-query attention needs H_kv to divide H)")
     if (theta_alpha is None) != (theta_beta is None):
         raise ValueError("theta_alpha and theta_beta must be given together")
     if theta_mu is not None and theta_alpha is None:
@@ -186,9 +192,12 @@ def bam_attention(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Optional[Tens
                   block_size: int = 128, scale: Optional[float] = None) -> Tensor:
     """Causal attention with the BAM GGD log-prior and SSMax, tiled so no N x N tensor exists.
 
-    q, k, v: (B, H, N, D) of any float dtype; computed in fp32 (fp64 for fp64 inputs), returned in
-    q's dtype. Row i may attend to key j iff j <= i, i - window < j (window counts the token itself)
-    and doc_ids[b, j] == doc_ids[b, i] (documents are contiguous runs of equal ids).
+    q: (B, H, N, D), k, v: (B, H_kv, N, D) with H_kv dividing H, of any float dtype; computed in fp32
+    (fp64 for fp64 inputs), returned in q's dtype. Grouped-query attention when H_kv < H: query head
+    h reads key/value head h // (H // H_kv) (consecutive query heads share one, as in Llama and
+    Megatron); θα, θβ, θμ and s stay per query head (H,). Row i may attend to key j iff j <= i,
+    i - window < j (window counts the token itself) and doc_ids[b, j] == doc_ids[b, i] (documents
+    are contiguous runs of equal ids).
 
     Prior (theta_alpha, theta_beta given, (H,) each; theta_mu (H,) or None for μ = 0):
     prior_ij = -exp(θα)·(|j - i - μ| + 1e-5)^θβ with μ = 2·sinh(θμ); θβ is used raw (β < 0 allowed).
@@ -196,9 +205,17 @@ def bam_attention(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Optional[Tens
     (q·k·scale + prior)·s·ln n_i, or q·k·scale·s·ln n_i + prior if ssmax_before_prior.
     scale defaults to 1/sqrt(D). Gradients flow to q, k, v and to every θ / s that requires grad.
     """
-    check_arguments(theta_alpha, theta_beta, theta_mu, window)
+    check_arguments(q, k, v, theta_alpha, theta_beta, theta_mu, window)
     N, D = q.shape[-2:]
     lo = _key_start(doc_ids, window, N, q.device)
     scale = D ** -0.5 if scale is None else float(scale)
+    if k.shape[1] != q.shape[1]:
+        # Grouped-query attention, the obviously-correct way: give every query head its own copy of
+        # its group's key/value head and run the per-head op. repeat_interleave's backward sums the
+        # copies' gradients, so dk, dv come back with k's and v's shape, summed over each group's
+        # query heads. Costs G = H / H_kv copies of k and v per call (this is the reference; the
+        # Triton kernel indexes the shared head instead). H_kv == H never takes this branch.
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return _BAMAttention.apply(q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo,
                                ssmax_before_prior, block_size, scale)

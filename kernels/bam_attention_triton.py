@@ -8,6 +8,13 @@ window the cost is N·w. The backward recomputes each tile twice: once per key b
 once per query block (dq and the per-head gradients of θα, θβ, θμ, s, written as one partial sum per
 row and reduced afterwards, so the result is deterministic).
 
+Grouped-query attention: k, v may have H_kv heads, H_kv dividing q's H; query head h reads kv head
+h // GROUP, GROUP = H // H_kv (a runtime argument). The forward and the dq kernel index the shared
+head; the dk/dv kernel runs one program per (key block, batch·kv head) that loops over the GROUP
+query heads of its kv head, accumulating dk, dv in registers in a fixed order: deterministic, no
+atomics, no per-query-head buffers, and each k, v tile is loaded once per group rather than once per
+query head. GROUP = 1 is the per-head computation unchanged.
+
 Plain pointer arithmetic only (no block pointers): one source runs under the GPU image's Triton 3.6
 and the CPU interpreter of the pinned Triton 3.9 (TRITON_INTERPRET=1, read when this module is
 imported). The interpreter's bf16 arithmetic is wrong, so when interpreting every load is upcast to
@@ -112,15 +119,16 @@ def _tile(q, k, offs_m, offs_n, lo_m, n, alpha, beta, mu, s, scale,
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, LO, ALPHA, BETA, MU, S,
                 sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, slob,
-                H, N, D, scale,
+                H, GROUP, N, D, scale,
                 HAS_PRIOR: tl.constexpr, HAS_SSMAX: tl.constexpr, BEFORE: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Output rows and row log-sum-exp of one query block of one (batch, head)."""
+    """Output rows and row log-sum-exp of one query block of one (batch, query head)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # base offsets b·stride, bh·N·D can pass 2^31
     b = pid_bh // H
     h = pid_bh % H
+    hk = h // GROUP  # the key/value head of query head h
     q_start = pid_m * BLOCK_M
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -136,8 +144,8 @@ def _fwd_kernel(Q, K, V, O, LSE, LO, ALPHA, BETA, MU, S,
     k_hi = tl.minimum(q_start + BLOCK_M, N)
     for k_start in range(k_lo, k_hi, BLOCK_N):
         offs_n = k_start + tl.arange(0, BLOCK_N)
-        k = _load_rows(K + b * skb + h * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
-        v = _load_rows(V + b * svb + h * svh, offs_n, offs_d, svn, svd, N, D, UPCAST)
+        k = _load_rows(K + b * skb + hk * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
+        v = _load_rows(V + b * svb + hk * svh, offs_n, offs_d, svn, svd, N, D, UPCAST)
         logits = _tile(q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale,
                        HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION)[0]
         m_new = tl.maximum(m_i, tl.max(logits, 1))
@@ -157,51 +165,61 @@ def _fwd_kernel(Q, K, V, O, LSE, LO, ALPHA, BETA, MU, S,
     tl.store(LSE + pid_bh * N + offs_m, m_i + tl.log(l_i), mask=row_ok)
 
 
-@triton.autotune(configs=_configs([(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 2)]), key=_TUNE_KEY)
+# GROUP in the key: with grouped-query attention the dk/dv grid has GROUP times fewer, longer programs.
+@triton.autotune(configs=_configs([(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 2)]),
+                 key=_TUNE_KEY + ["GROUP"])
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, LAST, DK, DV, ALPHA, BETA, MU, S,
                      sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                     sdb, sdh, sdn, sdd, slob, H, N, D, scale,
+                     sdb, sdh, sdn, sdd, slob, H, GROUP, N, D, scale,
                      HAS_PRIOR: tl.constexpr, HAS_SSMAX: tl.constexpr, BEFORE: tl.constexpr,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dk, dv of one key block, looping over the query blocks that can see it."""
+    """dk, dv of one key block of one (batch, key/value head), looping over the GROUP query heads
+    that share the head and, for each, over the query blocks that can see the block."""
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)  # base offsets b·stride, bh·N·D can pass 2^31
-    b = pid_bh // H
-    h = pid_bh % H
+    pid_bhk = tl.program_id(1).to(tl.int64)  # base offsets b·stride, bh·N·D can pass 2^31
+    h_kv = H // GROUP
+    b = pid_bhk // h_kv
+    hk = pid_bhk % h_kv
     k_start = pid_n * BLOCK_N
     offs_n = k_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(K + b * skb + h * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
-    v = _load_rows(V + b * svb + h * svh, offs_n, offs_d, svn, svd, N, D, UPCAST)
-    alpha, beta, mu, s = _head_scalars(ALPHA, BETA, MU, S, h, HAS_PRIOR, HAS_SSMAX)
+    k = _load_rows(K + b * skb + hk * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
+    v = _load_rows(V + b * svb + hk * svh, offs_n, offs_d, svn, svd, N, D, UPCAST)
 
+    # Accumulated over the group's query heads in registers, in a fixed order: deterministic, no
+    # atomics and no per-query-head buffer. GROUP = 1 is one pass, the per-head kernel as it was.
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # Rows from the diagonal up to LAST[b, last key of the block] (exclusive) may see these keys.
     q_lo = (k_start // BLOCK_M) * BLOCK_M
     q_hi = tl.load(LAST + b * slob + tl.minimum(k_start + BLOCK_N, N) - 1)
-    for q_start in range(q_lo, q_hi, BLOCK_M):
-        offs_m = q_start + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < N
-        lo_m = tl.load(LO + b * slob + offs_m, mask=row_ok, other=0)
-        q = _load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, sqd, N, D, UPCAST)
-        do = _load_rows(DO + b * sdb + h * sdh, offs_m, offs_d, sdn, sdd, N, D, UPCAST)
-        lse = tl.load(LSE + pid_bh * N + offs_m, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + pid_bh * N + offs_m, mask=row_ok, other=0.0)
-        logits, qk, prior, log_a, live, d, log_n = _tile(
-            q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION)
-        p = tl.exp(logits - lse[:, None])
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        dqk = p * (dp - delta[:, None])
-        if HAS_SSMAX:
-            dqk = dqk * (s * log_n[:, None])
-        dk += tl.dot(tl.trans(dqk).to(q.dtype), q, input_precision=PRECISION)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g  # query head
+        pid_bh = b * H + h  # its row of LSE and DELTA
+        alpha, beta, mu, s = _head_scalars(ALPHA, BETA, MU, S, h, HAS_PRIOR, HAS_SSMAX)
+        for q_start in range(q_lo, q_hi, BLOCK_M):
+            offs_m = q_start + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < N
+            lo_m = tl.load(LO + b * slob + offs_m, mask=row_ok, other=0)
+            q = _load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, sqd, N, D, UPCAST)
+            do = _load_rows(DO + b * sdb + h * sdh, offs_m, offs_d, sdn, sdd, N, D, UPCAST)
+            lse = tl.load(LSE + pid_bh * N + offs_m, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + pid_bh * N + offs_m, mask=row_ok, other=0.0)
+            logits, qk, prior, log_a, live, d, log_n = _tile(
+                q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale,
+                HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION)
+            p = tl.exp(logits - lse[:, None])
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            dqk = p * (dp - delta[:, None])
+            if HAS_SSMAX:
+                dqk = dqk * (s * log_n[:, None])
+            dk += tl.dot(tl.trans(dqk).to(q.dtype), q, input_precision=PRECISION)
 
     col_ok = (offs_n[:, None] < N) & (offs_d[None, :] < D)
-    out = pid_bh * N * D + offs_n[:, None] * D + offs_d[None, :]
+    out = pid_bhk * N * D + offs_n[:, None] * D + offs_d[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=col_ok)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok)
 
@@ -210,7 +228,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, LAST, DK, DV, ALPHA, BETA, MU,
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, DQ, PARTIAL, ALPHA, BETA, MU, S,
                    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                   sdb, sdh, sdn, sdd, slob, H, N, D, scale,
+                   sdb, sdh, sdn, sdd, slob, H, GROUP, N, D, scale,
                    HAS_PRIOR: tl.constexpr, HAS_MU: tl.constexpr, HAS_SSMAX: tl.constexpr,
                    BEFORE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -219,6 +237,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, DQ, PARTIAL, ALPHA, BETA, MU, S,
     pid_bh = tl.program_id(1).to(tl.int64)  # base offsets b·stride, bh·N·D can pass 2^31
     b = pid_bh // H
     h = pid_bh % H
+    hk = h // GROUP  # the key/value head of query head h
     q_start = pid_m * BLOCK_M
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -240,8 +259,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, DQ, PARTIAL, ALPHA, BETA, MU, S,
     k_hi = tl.minimum(q_start + BLOCK_M, N)
     for k_start in range(k_lo, k_hi, BLOCK_N):
         offs_n = k_start + tl.arange(0, BLOCK_N)
-        k = _load_rows(K + b * skb + h * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
-        v = _load_rows(V + b * svb + h * svh, offs_n, offs_d, svn, svd, N, D, UPCAST)
+        k = _load_rows(K + b * skb + hk * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
+        v = _load_rows(V + b * svb + hk * svh, offs_n, offs_d, svn, svd, N, D, UPCAST)
         logits, qk, prior, log_a, live, d, log_n = _tile(
             q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION)
         p = tl.exp(logits - lse[:, None])
@@ -292,21 +311,23 @@ def _head_params(alpha, beta, mu, s, like: Tensor):
     return [like if t is None else t for t in f]
 
 
-def _launch_args(q, lo, heads):
+def _launch_args(q, k, lo, heads):
     """Arguments shared by the three kernels' launches (shapes, feature flags, dot precision)."""
     B, H, N, D = q.shape
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: no TF32 rounding
-    return dict(H=H, N=N, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), UPCAST=INTERPRET,
-                PRECISION=precision, HAS_PRIOR=heads[0] is not None, HAS_SSMAX=heads[3] is not None,
+    return dict(H=H, GROUP=H // k.shape[1], N=N, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
+                UPCAST=INTERPRET, PRECISION=precision, HAS_PRIOR=heads[0] is not None,
+                HAS_SSMAX=heads[3] is not None,
                 slob=lo.stride(0) if lo.shape[0] > 1 else 0)
 
 
 def forward(q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior: bool, scale: float,
             out: Tensor, lse: Tensor) -> None:
-    """Fill out (B, H, N, BLOCK_D) fp32 and lse (B, H, N) fp32; lo (B or 1, N) int32 key starts."""
+    """Fill out (B, H, N, BLOCK_D) fp32 and lse (B, H, N) fp32; lo (B or 1, N) int32 key starts.
+    k, v may have H_kv | H heads (query head h reads head h // (H // H_kv))."""
     B, H, N, _ = q.shape
     heads = [alpha, beta, mu, s]
-    args = _launch_args(q, lo, heads)
+    args = _launch_args(q, k, lo, heads)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
     _fwd_kernel[grid](q, k, v, out, lse, lo, *_head_params(*heads, like=lse),
                       *_strides(q), *_strides(k), *_strides(v), scale=scale,
@@ -315,19 +336,21 @@ def forward(q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior: bool, scale: fl
 
 def backward(q, k, v, out, dout, lse, lo, last, alpha, beta, mu, s, ssmax_before_prior: bool,
              scale: float, dq: Tensor, dk: Tensor, dv: Tensor, mu_grad: bool = True) -> Tensor:
-    """Fill dq, dk, dv (B, H, N, D) contiguous; return (H, 4) fp32 gradients of θα, θβ, μ, s
-    (μ's is 0 unless mu_grad: the per-element work is skipped when θμ is frozen).
+    """Fill dq (B, H, N, D) and dk, dv (B, H_kv, N, D), contiguous (dk, dv summed over each group's
+    query heads); return (H, 4) fp32 gradients of θα, θβ, μ, s (μ's is 0 unless mu_grad: the
+    per-element work is skipped when θμ is frozen).
 
     out is the forward's fp32 output: the row term D_i = rowsum(dO⊙O) needs it in full precision
     (a row with one key otherwise gets rounding noise times the prior's large derivative).
     """
     B, H, N, D = q.shape
     heads = [alpha, beta, mu, s]
-    args = _launch_args(q, lo, heads)
+    args = _launch_args(q, k, lo, heads)
     delta = (dout.float() * out[..., :D]).sum(-1).contiguous()
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     params = _head_params(*heads, like=lse)
-    _bwd_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), B * H)](
+    # One program per (key block, batch·kv head), looping over the group's query heads.
+    _bwd_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), B * k.shape[1])](
         q, k, v, dout, lse, delta, lo, last, dk, dv, *params, *common, scale=scale,
         BEFORE=ssmax_before_prior, **args)
     # dL/d(θα, θβ, μ, s) of each row, summed here: every row is written once whatever the tile size
@@ -380,11 +403,12 @@ def bam_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Option
                          block_size: int = 128, scale: Optional[float] = None) -> Tensor:
     """kernels.bam_attention.bam_attention as fused Triton kernels (same arguments and result).
 
-    q, k, v: (B, H, N, D) fp32, fp16 or bf16 (any strides); computed with fp32 accumulation and
-    returned in q's dtype. block_size is accepted for signature parity and unused: the kernels' tiles
-    come from autotuning (16 when interpreting).
+    q: (B, H, N, D), k, v: (B, H_kv, N, D) with H_kv dividing H (grouped-query attention: query head
+    h reads head h // (H // H_kv)), fp32, fp16 or bf16 (any strides); computed with fp32
+    accumulation and returned in q's dtype; dk, dv have k's and v's shape. block_size is accepted
+    for signature parity and unused: the kernels' tiles come from autotuning (16 when interpreting).
     """
-    check_arguments(theta_alpha, theta_beta, theta_mu, window)
+    check_arguments(q, k, v, theta_alpha, theta_beta, theta_mu, window)
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"the Triton BAM kernel takes fp32, fp16 or bf16 q, k, v of one dtype, got "
                         f"{q.dtype}, {k.dtype}, {v.dtype}")

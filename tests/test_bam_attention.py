@@ -199,3 +199,63 @@ def test_window_bounds_key_columns(monkeypatch):
     out.sum().backward()
     assert len(widths) == 2 * math.ceil(n / blk)  # forward + backward, one call per query block
     assert max(widths) <= blk + w - 1
+
+
+# --- grouped-query attention: k, v with H_kv | H heads ------------------------------------------
+
+def gqa_inputs(dtype, heads, kv_heads, seed=0):
+    """q (B, heads, N, D), k, v (B, kv_heads, N, D) and per-query-head θ with β from -0.7 (inverted)
+    to 1.6 (super-Laplace); all require grad."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, heads, N, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, kv_heads, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    alpha = -3 * torch.rand(heads, generator=g, dtype=torch.float64)
+    beta = torch.linspace(-0.7, 1.6, heads, dtype=torch.float64)
+    mu = torch.rand(heads, generator=g, dtype=torch.float64) - 0.5
+    s = 0.5 + torch.rand(heads, generator=g, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_() for t in (q, k, v, alpha, beta, mu, s)]
+
+
+@pytest.mark.parametrize("doc, window", [(False, None), (True, 7), (False, 1)])
+@pytest.mark.parametrize("ssmax", [None, "after", "before"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 1), (3, 3), (6, 3)])
+def test_gqa_matches_dense_reference_with_repeated_kv(heads, kv_heads, ssmax, doc, window):
+    """Query head h uses kv head h // (H / H_kv): the op on (B, H_kv, N, D) k, v against the dense
+    formula on k, v repeated per query head explicitly, whose dk, dv are summed over each group."""
+    group = heads // kv_heads
+    doc_ids = DOCS if doc else None
+    for dtype, tol, seed in ((torch.float64, 1e-10, 0), (torch.float32, 1e-4, 1)):
+        ins = gqa_inputs(dtype, heads, kv_heads, seed)
+        s = ins[6] if ssmax else None
+        out = bam_attention(*ins[:3], theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5], ssmax_s=s,
+                            ssmax_before_prior=ssmax == "before", doc_ids=doc_ids, window=window,
+                            block_size=BLOCK)
+        assert out.shape == ins[0].shape and out.dtype == dtype
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        wrt = ins if ssmax else ins[:6]
+        got = [out, *torch.autograd.grad(out, wrt, dout.to(dtype))]
+        assert got[2].shape == got[3].shape == (B, kv_heads, N, D)
+
+        # The formula on explicit per-query-head copies (leaves of their own).
+        heads_kv = torch.arange(heads) // group
+        q, k, v, *theta = [t.detach().double() for t in ins]
+        ref_ins = [q, k[:, heads_kv], v[:, heads_kv], *theta]
+        ref_ins = [t.clone().requires_grad_() for t in ref_ins]
+        ref = dense_reference(*ref_ins[:6], s=ref_ins[6] if ssmax else None,
+                              before_prior=ssmax == "before", doc_ids=doc_ids, window=window)
+        ref_grads = list(torch.autograd.grad(ref, ref_ins if ssmax else ref_ins[:6], dout))
+        for i in (1, 2):  # dk, dv: the sum over the query heads of each group
+            ref_grads[i] = ref_grads[i].view(B, kv_heads, group, N, D).sum(2)
+        assert_close(got, [ref, *ref_grads], tol)
+
+
+@pytest.mark.parametrize("heads, kv_heads, match", [
+    (4, 3, "k and v have 3 heads, which does not divide q's 4 heads"),
+    (2, 4, "k and v have 4 heads, which does not divide q's 2 heads"),
+])
+def test_gqa_rejects_head_counts_not_dividing(heads, kv_heads, match):
+    q, k, v = gqa_inputs(torch.float32, heads, kv_heads)[:3]
+    with pytest.raises(ValueError, match=match):
+        bam_attention(q, k, v)
+    with pytest.raises(ValueError, match="same number of heads, got 1 and 2"):
+        bam_attention(q, k[:, :1], torch.cat([v, v], 1)[:, :2])

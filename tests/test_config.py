@@ -57,6 +57,9 @@ BAD = [
     ({"data": {"passkey_fraction": 1.5}}, "data.passkey_fraction"),
     ({"model": {"attention": {"positional": "rope"}, "d_model": 12, "n_heads": 4}}, "model.attention.positional"),
     ({"run": {"name": "a/b"}}, "run.name"),
+    ({"model": {"n_heads": 4, "attention": {"kv_heads": 3}}}, "model.attention.kv_heads"),
+    ({"model": {"n_heads": 4, "layer_pattern": ["attention"], "attention": {"kv_heads": 2}}, "parallel": {"tensor": 4}},
+     "parallel.tensor"),
 ]
 
 

@@ -14,8 +14,10 @@ float64 formula in tests/test_bam_attention.py). Tolerance on max |error| / (1 +
 per output and gradient: 3e-5 for fp32 inputs, 2e-3 for fp16 inputs (outputs and dq, dk, dv are
 rounded to fp16); measured worst cases 5.4e-6 (dμ) and 4.2e-4 (dq). bf16 (1.5e-2, measured 4.5e-3)
 runs too: loads are upcast to fp32 at once, so the interpreter's wrong bf16 arithmetic is never
-used. Shapes are small (N = 37 and 64, D = 16, interpreter tiles of 16) so the file runs in well
-under two minutes on two cores.
+used. Grouped-query attention (k, v with H_kv | H heads, dk, dv summed over each group) is held to
+the same tolerances; measured worst cases 7.2e-6 (ds, fp32) and 6.5e-4 (dμ, fp16). Shapes are
+small (N = 37 and 64, D = 16, interpreter tiles of 16) so the file runs in well under two minutes
+on two cores.
 """
 import logging
 import math
@@ -50,6 +52,19 @@ def make_inputs(dtype, seed=0, n=N):
     beta = torch.tensor([-0.7, 0.5, 1.6]) + 0.2 * torch.rand(H, generator=g)
     mu = torch.rand(H, generator=g) - 0.5
     s = 0.5 + torch.rand(H, generator=g)
+    return [t.requires_grad_() for t in (q, k, v, alpha, beta, mu, s)]
+
+
+def gqa_inputs(dtype, heads, kv_heads, seed=0, n=N):
+    """q (B, heads, n, D) and k, v (B, kv_heads, n, D) in `dtype`, fp32 per-query-head θ with β from
+    -0.7 (inverted) to 1.6 (super-Laplace); all require grad."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, heads, n, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, kv_heads, n, D, generator=g).to(dtype) for _ in range(2))
+    alpha = -3 * torch.rand(heads, generator=g)
+    beta = torch.linspace(-0.7, 1.6, heads)
+    mu = torch.rand(heads, generator=g) - 0.5
+    s = 0.5 + torch.rand(heads, generator=g)
     return [t.requires_grad_() for t in (q, k, v, alpha, beta, mu, s)]
 
 
@@ -153,19 +168,21 @@ def test_no_grad_for_inputs_not_requiring_it():
     assert all(t.grad is not None for t in (q, k, b, s))
 
 
-def test_poisoned_outputs_are_overwritten():
+@pytest.mark.parametrize("heads, kv_heads", [(H, H), (4, 2)])
+def test_poisoned_outputs_are_overwritten(heads, kv_heads):
     """Every element of out, lse, dq, dk and dv is written: NaN-filled buffers come back finite and
-    equal to freshly allocated ones."""
-    q, k, v, a, b, m, s = (t.detach() for t in make_inputs(torch.float32))
+    equal to freshly allocated ones (also with grouped-query attention: dk, dv of k's shape)."""
+    q, k, v, a, b, m, s = (t.detach() for t in gqa_inputs(torch.float32, heads, kv_heads))
     lo, last = kt.key_bounds(DOCS, 16, N, q.device)
     cfg = (False, D ** -0.5)
     bufs = []
     for fill in (0.0, math.nan):
-        out = torch.full((B, H, N, D), fill)
-        lse = torch.full((B, H, N), fill)
+        out = torch.full((B, heads, N, D), fill)
+        lse = torch.full((B, heads, N), fill)
         kt.forward(q, k, v, lo, a, b, m, s, *cfg, out, lse)
-        dq, dk, dv = (torch.full((B, H, N, D), fill) for _ in range(3))
-        dout = torch.randn(B, H, N, D, generator=torch.Generator().manual_seed(2))
+        dq = torch.full((B, heads, N, D), fill)
+        dk, dv = (torch.full((B, kv_heads, N, D), fill) for _ in range(2))
+        dout = torch.randn(B, heads, N, D, generator=torch.Generator().manual_seed(2))
         kt.backward(q, k, v, out, dout, lse, lo, last, a, b, m, s, *cfg, dq, dk, dv)
         bufs.append((out, lse, dq, dk, dv))
     for clean, poisoned in zip(*bufs):
@@ -187,18 +204,68 @@ class _TileSpy:
         return self.real(*args, **kwargs)
 
 
-@pytest.mark.parametrize("window, tiles", [(None, 10), (1, 4), (16, 7)])
-def test_window_skips_key_tiles(monkeypatch, window, tiles):
+@pytest.mark.parametrize("window, tiles, heads", [(None, 10, 1), (1, 4, 1), (16, 7, 1), (16, 7, 2)])
+def test_window_skips_key_tiles(monkeypatch, window, tiles, heads):
     """N = 64 is 4 row blocks of 16: full causal visits 1+2+3+4 key tiles, a window of w at most
     ceil((16 + w - 1) / 16) + 1 per block (here 1 for w = 1; 1, 2, 2, 2 for w = 16). Forward and
-    both backward kernels visit the same tiles."""
+    both backward kernels visit the same tiles, per query head: with 2 query heads sharing one kv
+    head, the dk/dv kernel's program loops over both."""
     spy = _TileSpy(kt._tile)
     monkeypatch.setattr(kt, "_tile", spy)
-    q, k, v = (torch.randn(1, 1, 64, D, requires_grad=True) for _ in range(3))
+    q = torch.randn(1, heads, 64, D, requires_grad=True)
+    k, v = (torch.randn(1, 1, 64, D, requires_grad=True) for _ in range(2))
     out = kt.bam_attention_triton(q, k, v, window=window)
+    tiles *= heads
     assert spy.calls == tiles
     out.sum().backward()
     assert spy.calls == 3 * tiles
+
+
+# --- grouped-query attention -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, heads, kv_heads, ssmax, doc, window", [
+    (torch.float32, 4, 2, "after", True, 16),
+    (torch.float32, 4, 1, "before", False, None),
+    (torch.float32, 4, 2, None, True, None),
+    (torch.float32, 3, 3, "after", False, 16),
+    (torch.float16, 4, 2, "after", True, 16),
+])
+def test_gqa_matches_reference(dtype, heads, kv_heads, ssmax, doc, window):
+    """k, v with H_kv | H heads (N = 37, not a multiple of the tile) against the reference (itself
+    checked against the dense formula on explicitly repeated k, v): out, dq, dk and dv (summed over
+    each group's query heads) and the per-query-head θ, s gradients."""
+    ins = gqa_inputs(dtype, heads, kv_heads, seed=heads + kv_heads)
+    errors = compare(ins, bam_kwargs(ins, ssmax, doc, window), wrt=range(7) if ssmax else range(6))
+    assert errors.keys() >= {"dk", "dv"}
+
+
+def test_gqa_strided_kv_and_repeated_kv_agree():
+    """k, v as non-contiguous views (the mixer's layout), and the kernel with k, v repeated per query
+    head: the same output bit for bit (same tiles, same arithmetic) and dk, dv equal to the repeated
+    run's gradients summed over each group (up to the order of the fp32 sums)."""
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(B, 4, N, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, N, 2, D, generator=g).transpose(1, 2).requires_grad_() for _ in range(2))
+    assert not k.is_contiguous()
+    theta = [t.detach().requires_grad_() for t in gqa_inputs(torch.float32, 4, 2)[3:]]
+    kw = dict(theta_alpha=theta[0], theta_beta=theta[1], theta_mu=theta[2], ssmax_s=theta[3],
+              doc_ids=DOCS, window=16)
+    dout = torch.randn(B, 4, N, D, generator=g)
+    out = kt.bam_attention_triton(q, k, v, **kw)
+    got = torch.autograd.grad(out, [q, k, v, *theta], dout)
+    k_rep, v_rep = (t.detach().repeat_interleave(2, 1).requires_grad_() for t in (k, v))
+    rep = kt.bam_attention_triton(q, k_rep, v_rep, **kw)
+    want = list(torch.autograd.grad(rep, [q, k_rep, v_rep, *theta], dout))
+    want[1], want[2] = (w.view(B, 2, 2, N, D).sum(2) for w in want[1:3])
+    assert torch.equal(out, rep)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_gqa_rejects_head_counts_not_dividing():
+    q, k, v = gqa_inputs(torch.float32, 4, 3)[:3]
+    with pytest.raises(ValueError, match="k and v have 3 heads, which does not divide q's 4 heads"):
+        kt.bam_attention_triton(q, k, v)
 
 
 def test_rejects_unsupported_dtype():
@@ -275,7 +342,8 @@ fp32 = ("O", "LSE", "DELTA", "PARTIAL", "ALPHA", "BETA", "MU", "S")
 for kernel, extra in [(kt._fwd_kernel, {}), (kt._bwd_dkdv_kernel, {}), (kt._bwd_dq_kernel, {"HAS_MU": True})]:
     fn, consts = kernel.fn, {**flags, **extra}
     sig = {a: "constexpr" if a in consts else "fp32" if a == "scale" else "*i32" if a in ("LO", "LAST")
-           else "*fp32" if a in fp32 else "*bf16" if a[0].isupper() and a not in ("H", "N", "D") else "i32"
+           else "*fp32" if a in fp32 else "*bf16" if a[0].isupper() and a not in ("H", "GROUP", "N", "D")
+           else "i32"
            for a in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()})
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
@@ -293,10 +361,14 @@ def test_kernels_compile_for_the_gpu():
 
 
 def test_bench_dry_run():
-    """tools/bench_kernels.py (for the GPU) runs its whole path, attention and mLSTM, at tiny shapes on CPU."""
+    """tools/bench_kernels.py (for the GPU) runs its whole path, attention (GQA too) and mLSTM, at tiny
+    shapes on CPU."""
     done = subprocess.run([sys.executable, "tools/bench_kernels.py", "--dry-run"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "check bam dv: max rel err" in done.stdout and "| 48 | 16 | fwd+bwd | bam |" in done.stdout
+    assert "check bam gqa 4/2 dk: max rel err" in done.stdout
+    assert "| 48 | causal | fwd+bwd | bam gqa 4/2 |" in done.stdout
+    assert "| 48 | causal | fwd+bwd | sdpa gqa 4/2 |" in done.stdout
     assert "check mlstm bfloat16 df: max rel err" in done.stdout
     assert "| 40 | fwd+bwd | triton | bfloat16 |" in done.stdout

@@ -102,3 +102,35 @@ def test_tied_and_untied_embeddings():
 def test_layer_pattern_repeats():
     model = _model("model.n_layers=4", "model.layer_pattern=[attention, attention]")
     assert len(model.blocks) == 4
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_query_attention_equals_full_attention_with_shared_kv_weights(kv_heads):
+    """A GQA model is the multi-head model whose key and value projections repeat each kv head's
+    weights for the query heads of its group: same logits and loss, and the GQA model's kv
+    gradients are the sums of the multi-head model's over each group."""
+    gqa = _model(f"model.attention.kv_heads={kv_heads}", "model.attention.bam.init=spread", seed=3)
+    full = _model("model.attention.bam.init=spread", seed=3)
+    group, D = 4 // kv_heads, 32 // 4
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            source = dict(gqa.named_parameters())[name]
+            if not name.endswith("qkv.weight"):
+                p.copy_(source)
+                continue
+            q, k, v = source.split([32, kv_heads * D, kv_heads * D])
+            repeat = lambda w: w.view(kv_heads, D, 32).repeat_interleave(group, 0).reshape(32, 32)  # noqa: E731
+            p.copy_(torch.cat([q, repeat(k), repeat(v)]))
+    assert gqa.blocks[0].mixer.qkv.weight.shape == ((4 + 2 * kv_heads) * D, 32)
+    ids, labels = torch.randint(0, V, (2, 2, 24), generator=torch.Generator().manual_seed(0))
+    doc_ids = (torch.arange(24) >= 10).long().expand(2, 24)
+    torch.testing.assert_close(gqa(ids, doc_ids=doc_ids), full(ids, doc_ids=doc_ids), rtol=1e-10, atol=1e-10)
+    gqa(ids, labels, doc_ids).backward()
+    full(ids, labels, doc_ids).backward()
+    got = gqa.blocks[0].mixer.qkv.weight.grad.split([32, kv_heads * D, kv_heads * D])
+    want = full.blocks[0].mixer.qkv.weight.grad.split([32, 32, 32])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-9, atol=1e-12)
+    for g, w in zip(got[1:], want[1:]):
+        summed = w.view(kv_heads, group, D, 32).sum(1).reshape(kv_heads * D, 32)
+        torch.testing.assert_close(g, summed, rtol=1e-9, atol=1e-12)
+

@@ -67,7 +67,8 @@ def test_norms_gate_biases_and_decay_rates_get_no_weight_decay():
     [],
     ["model.swa.positional=ggd_bam", "model.swa.ssmax=true", "model.attention.positional=alibi"],
     ["model.swa.positional=sinusoidal", "model.attention.positional=sinusoidal", "model.attention.ssmax=false"],
-], ids=["rope", "bam_ssmax", "sinusoidal"])
+    ["model.swa.kv_heads=1", "model.attention.kv_heads=2"],  # grouped-query caches hold the kv heads only
+], ids=["rope", "bam_ssmax", "sinusoidal", "gqa"])
 def test_recurrent_inference_logits_equal_the_full_forward(overrides):
     model, _ = _model("[SMAG]", *overrides)
     ids = torch.randint(0, V, (2, 40))

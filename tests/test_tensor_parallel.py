@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megabam.config import ConfigError, load_config
 from megabam.data.layout import ParallelLayout
 from megabam.model import Decoder
+from megabam.model.attention import Attention
 from megabam.parallel.mappings import (copy_to_tensor_region, gather_from_sequence_region, gather_from_tensor_region,
                                        reduce_from_tensor_region, reduce_scatter_to_sequence_region,
                                        scatter_to_tensor_region)
@@ -140,17 +141,29 @@ SPLIT_INPUTS = ("out.weight", "down.weight")
 REPLICATED = ("mixer_norm.weight", "mlp_norm.weight")
 
 
-def _gather(name: str, local: torch.Tensor, group) -> torch.Tensor:
-    """The full tensor from every rank's shard of parameter `name` (or gradient)."""
+def _gather(name: str, local: torch.Tensor, group, blocks=None) -> torch.Tensor:
+    """The full tensor from every rank's shard of parameter `name` (or gradient); `blocks` lists the
+    shard's fused row blocks when they differ in size (GQA's [q | k | v])."""
     if name == "norm.weight" or name.endswith(REPLICATED):
         return local
     shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, local.contiguous(), group=group)
     if name.endswith(SPLIT_INPUTS):
         return torch.cat(shards, 1)
-    parts = next((n for suffix, n in FUSED_BLOCKS.items() if name.endswith(suffix)), 1)
-    blocks = [s.chunk(parts, 0) for s in shards]
-    return torch.cat([torch.cat([b[p] for b in blocks], 0) for p in range(parts)], 0)
+    if blocks is None:
+        parts = next((n for suffix, n in FUSED_BLOCKS.items() if name.endswith(suffix)), 1)
+        blocks = [local.shape[0] // parts] * parts
+    pieces = [s.split(blocks, 0) for s in shards]
+    return torch.cat([torch.cat([b[p] for b in pieces], 0) for p in range(len(blocks))], 0)
+
+
+def _gqa_blocks(full: Decoder, name: str, tp: int):
+    """The [q | k | v] row blocks of a TP shard of an attention projection with fewer kv heads, else None."""
+    owner = full.get_submodule(name.rsplit(".", 2)[0]) if name.endswith("qkv.weight") else None
+    if not isinstance(owner, Attention) or owner.kv_heads == owner.n_heads:
+        return None
+    q, kv = owner.n_heads * owner.head_dim // tp, owner.kv_heads * owner.head_dim // tp
+    return [q, kv, kv]
 
 
 def _batch(step: int):
@@ -178,8 +191,10 @@ def _compare_tp_with_single(overrides: list[str], window, covered: tuple[str, ..
     tp_params = dict(tp.named_parameters())
     assert count_parameters(tp, topo) == full.num_params()
     assert tp_params.keys() == dict(full.named_parameters()).keys()
+    blocks = {}
     for name, p in full.named_parameters():
-        assert torch.equal(_gather(name, tp_params[name].detach(), topo.tp_group), p.detach()), name
+        blocks[name] = _gqa_blocks(full, name, topo.tp_size)
+        assert torch.equal(_gather(name, tp_params[name].detach(), topo.tp_group, blocks[name]), p.detach()), name
         replicated = name == "norm.weight" or name.endswith(REPLICATED)
         assert getattr(tp_params[name], "tensor_model_parallel", False) == (not replicated), name
     opt_full = torch.optim.AdamW(full.parameters(), lr=1e-2)
@@ -201,7 +216,7 @@ def _compare_tp_with_single(overrides: list[str], window, covered: tuple[str, ..
             if p.grad is None:
                 assert tp_params[name].grad is None, name
                 continue
-            diff = (_gather(name, tp_params[name].grad, topo.tp_group) - p.grad).abs().max().item()
+            diff = (_gather(name, tp_params[name].grad, topo.tp_group, blocks[name]) - p.grad).abs().max().item()
             assert diff <= GRAD_ATOL, (step, name, diff)
             worst["grad_abs"] = max(worst["grad_abs"], diff)
             compared.add(name)
@@ -238,6 +253,8 @@ BAM_VARIANTS = [
     (BAM, None, ("prior.theta_alpha", "prior.theta_beta", "prior.theta_mu", "ssmax_s", "embed.weight")),
     (BAM + ["model.attention.bam.shared_across_layers=true", "model.tie_embeddings=false",
             "model.attention.ssmax_before_prior=true"], None, ("prior.theta_mu", "ssmax_s", "lm_head.weight")),
+    # grouped-query attention: 4 query heads over 2 key/value heads, one of each per rank
+    (BAM + ["model.attention.kv_heads=2"], None, ("mixer.qkv.weight", "prior.theta_alpha", "ssmax_s")),
 ]
 SWAX_VARIANTS = [  # SWAX ([SM]: SWA and mLSTM) and Gated DeltaNet beside full attention
     (["model.layer_pattern=[SM]", "model.mlstm.n_heads=2"], 8,

@@ -1,9 +1,10 @@
 """Speed of the fused Triton BAM attention kernel against PyTorch SDPA, FlexAttention and the reference,
 and of the chunkwise mLSTM kernels against the PyTorch chunkwise form.
 
-Prepared for one GPU (H200; estimated, not yet measured, at about 5 minutes for attention and 1.5 for
-the mLSTM with the defaults, under the 8 the kernels issue allows; --variants drops attention
-variants and --mlstm-lengths with no value drops the mLSTM rows if time is short):
+Prepared for one GPU (H200; estimated, not yet measured, at about 5.5 minutes for attention, GQA rows
+included, and 1.5 for the mLSTM with the defaults, under the 8 the kernels issue allows; --variants
+drops attention variants, --gqa with no value the GQA rows and --mlstm-lengths with no value the
+mLSTM rows if time is short):
 
     python tools/bench_kernels.py
 
@@ -15,7 +16,11 @@ variants and --mlstm-lengths with no value drops the mLSTM rows if time is short
    sdpa      torch SDPA restricted to the flash backend, no prior and no SSMax: the speed ceiling;
    flex      torch.compile'd FlexAttention with the prior and SSMax as a score_mod, causal block mask;
    ref       the pure-PyTorch tiled op (kernels/bam_attention.py), query blocks of 128.
-   Then the kernel with sliding windows --windows against full causal at the longest length.
+   Then the kernel with sliding windows --windows against full causal at the longest length, and
+   grouped-query attention at the longest length (--gqa: 16 query heads sharing 4 key/value heads,
+   fully causal; checked against the reference first): the kernel ("bam gqa 16/4", ratio to the
+   kernel with 16 kv heads) and SDPA flash with enable_gqa=True ("sdpa gqa 16/4"; skipped when
+   this torch's SDPA has no enable_gqa).
 3. mLSTM, the model's shape per TP rank: batch 1 × 8 heads, d_qk 128, d_v 256, chunk 64, N in
    --mlstm-lengths (16,384). First the kernels (fp32 and bf16 q, k, v) against the PyTorch chunkwise
    form (kernels/mlstm.py, fp32 on the same values): h and the gradients of q, k, v, i, f, stopping
@@ -55,6 +60,8 @@ def parse_args():
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per cell (median)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                    help="which variants to time (the kernel's full causal run is always timed)")
+    p.add_argument("--gqa", type=int, nargs="*", default=[HEADS, 4], metavar="HEADS",
+                   help="query heads and key/value heads of the GQA rows (none: no GQA rows)")
     p.add_argument("--mlstm-lengths", type=int, nargs="*", default=[16384],
                    help="sequence lengths of the mLSTM rows (none: no mLSTM rows)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
@@ -63,6 +70,9 @@ def parse_args():
     if args.dry_run:
         args.lengths, args.windows, args.heads, args.dim, args.reps = [32, 48], [8, 16], 2, 16, 1
         args.mlstm_lengths, args.mlstm_shape = [40], (2, 16, 32, 16)
+        args.gqa = args.gqa and [4, 2]
+    if args.gqa and (len(args.gqa) != 2 or args.gqa[0] % args.gqa[1]):
+        p.error(f"--gqa takes query heads and key/value heads dividing them, got {args.gqa}")
     return args
 
 
@@ -94,12 +104,13 @@ class Bench:
         self._flex_fn = flex_attention if args.dry_run else torch.compile(flex_attention, dynamic=False)
         self._flex_cache = {}
 
-    def inputs(self, n: int, heads: int):
-        """q, k, v and per-head (θα, θβ, θμ, s) spread over heads, all requiring grad."""
+    def inputs(self, n: int, heads: int, kv_heads=None):
+        """q, k, v (k, v with kv_heads heads if given: GQA) and per-query-head (θα, θβ, θμ, s) spread
+        over heads, all requiring grad."""
         torch = self.torch
         g = torch.Generator(device=self.device).manual_seed(n)
-        qkv = [torch.randn(BATCH, heads, n, self.args.dim, generator=g, device=self.device, dtype=self.dtype)
-               for _ in range(3)]
+        qkv = [torch.randn(BATCH, h, n, self.args.dim, generator=g, device=self.device, dtype=self.dtype)
+               for h in (heads, kv_heads or heads, kv_heads or heads)]
         theta = [torch.linspace(lo, hi, heads, device=self.device)
                  for lo, hi in ((-3.0, 0.0), (-0.5, 1.5), (-0.3, 0.3), (0.8, 1.2))]
         return [t.requires_grad_() for t in qkv + theta]
@@ -118,8 +129,13 @@ class Bench:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         assert window is None, "SDPA has no sliding window"
         backends = [SDPBackend.FLASH_ATTENTION] if self.device == "cuda" else [SDPBackend.MATH]
+        gqa = {"enable_gqa": True} if ins[1].shape[1] != ins[0].shape[1] else {}
         with sdpa_kernel(backends):
-            return self.torch.nn.functional.scaled_dot_product_attention(*ins[:3], is_causal=True)
+            return self.torch.nn.functional.scaled_dot_product_attention(*ins[:3], is_causal=True, **gqa)
+
+    def sdpa_has_gqa(self) -> bool:
+        """Whether this torch's SDPA takes enable_gqa (2.5 on)."""
+        return "enable_gqa" in (self.torch.nn.functional.scaled_dot_product_attention.__doc__ or "")
 
     def flex(self, ins, window):
         """FlexAttention with the BAM prior and SSMax in a score_mod (the published BAM code's route).
@@ -183,20 +199,33 @@ class Bench:
         return statistics.median(times)
 
     def check(self) -> bool:
-        """The kernel and Flex vs the reference on the same values; True when both are close."""
+        """The kernel (also with GQA) and Flex vs the reference on the same values; True when all are
+        close."""
         torch = self.torch
         # The first timed shape, so compiled Flex and the autotuned kernel are reused by the timings.
         n = min(self.args.lengths)
-        ins = self.inputs(n, self.args.heads)
         doc = torch.arange(n, device=self.device).div(n // 3 + 1, rounding_mode="floor")[None]
-        dout = torch.randn(ins[0].shape, device=self.device, dtype=self.dtype)
-        ref_ins = [t.detach().float().requires_grad_() for t in ins]
-        kw = dict(theta_alpha=ref_ins[3], theta_beta=ref_ins[4], theta_mu=ref_ins[5], ssmax_s=ref_ins[6])
+
+        def setup(heads, kv_heads=None):
+            """Inputs, their fp32 copies, the reference's θ arguments and an output gradient."""
+            ins = self.inputs(n, heads, kv_heads)
+            ref_ins = [t.detach().float().requires_grad_() for t in ins]
+            kw = dict(theta_alpha=ref_ins[3], theta_beta=ref_ins[4], theta_mu=ref_ins[5], ssmax_s=ref_ins[6])
+            return ins, ref_ins, kw, torch.randn(ins[0].shape, device=self.device, dtype=self.dtype)
+
+        def bam(x, w):
+            return self.fused(*x[:3], theta_alpha=x[3], theta_beta=x[4], theta_mu=x[5], ssmax_s=x[6],
+                              doc_ids=doc, window=w)
+
         ok = True
-        cases = [("bam", lambda x, w: self.fused(*x[:3], theta_alpha=x[3], theta_beta=x[4], theta_mu=x[5],
-                                                  ssmax_s=x[6], doc_ids=doc, window=w), doc, n // 4),
-                 ("flex", self.flex, None, None)][:2 if "flex" in self.args.variants else 1]
-        for name, fn, doc_ids, window in cases:
+        mha = setup(self.args.heads)
+        cases = [("bam", bam, doc, n // 4, *mha)]
+        if "flex" in self.args.variants:
+            cases.append(("flex", self.flex, None, None, *mha))
+        if self.args.gqa:  # the kernel with k, v shared by groups of query heads
+            cases.append((f"bam gqa {self.args.gqa[0]}/{self.args.gqa[1]}", bam, doc, n // 4,
+                          *setup(*self.args.gqa)))
+        for name, fn, doc_ids, window, ins, ref_ins, kw, dout in cases:
             want = self.reference(*ref_ins[:3], **kw, doc_ids=doc_ids, window=window, block_size=128)
             want_grads = torch.autograd.grad(want, ref_ins[:3], dout.float())
             got = []
@@ -205,7 +234,7 @@ class Bench:
                 got += torch.autograd.grad(got[0], ins[:3], dout)
             except Exception as e:  # noqa: BLE001
                 print(f"check {name}: failed: {type(e).__name__}: {str(e).splitlines()[0]}")
-                ok = ok and name != "bam"
+                ok = ok and not name.startswith("bam")
             for label, a, b in zip(["out", "dq", "dk", "dv"], got, (want, *want_grads)):
                 err = ((a.float() - b).abs().max() / (1 + b.abs().max())).item()
                 good = err <= 3e-2
@@ -227,17 +256,26 @@ class Bench:
         names = ["bam"] + [v for v in a.variants if v != "bam"]
         cases = [(n, None, name) for n in a.lengths for name in names]
         cases += [(longest, w, "bam") for w in a.windows]
+        if a.gqa:
+            gqa = f" gqa {a.gqa[0]}/{a.gqa[1]}"
+            cases.append((longest, None, "bam" + gqa))
+            if "sdpa" in a.variants and self.sdpa_has_gqa():
+                cases.append((longest, None, "sdpa" + gqa))
+            elif "sdpa" in a.variants:
+                print(f"sdpa{gqa}: this torch's SDPA has no enable_gqa, cell skipped")
         results = {}
         for n, window, name in cases:
-            ins = self.inputs(n, a.heads)
+            variant = name.split(" ")[0]
+            ins = self.inputs(n, *a.gqa) if name != variant else self.inputs(n, a.heads)
+            heads = ins[0].shape[1]
             for backward in (False, True):
                 try:
-                    ms = self.time_ms(getattr(self, name), ins, window, backward)
+                    ms = self.time_ms(getattr(self, variant), ins, window, backward)
                 except Exception as e:  # noqa: BLE001 - one failing variant must not end the table
                     ms = math.nan
                     print(f"{name} N={n} w={window}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
                 results[(n, window, name, backward)] = ms
-                tflops = flops(n, window, a.heads, a.dim, backward) / (ms * 1e9)
+                tflops = flops(n, window, heads, a.dim, backward) / (ms * 1e9)
                 rows.append((n, window, name, backward, ms, tflops))
             del ins
             if self.device == "cuda":
@@ -314,12 +352,20 @@ class Bench:
 
 def print_table(rows, results, longest):
     """One table: time, TFLOP/s and the ratios the issue's targets are stated in."""
+    # TFLOP/s count useful work per query head, so the ratio holds for any pair of head counts.
+    mha_tflops = {(n, backward): tflops for n, window, name, backward, _, tflops in rows
+                  if name == "bam" and window is None}
     print("\n| N | window | pass | variant | ms | TFLOP/s | ratio |")
     print("| ---: | ---: | --- | --- | ---: | ---: | --- |")
     for n, window, name, backward, ms, tflops in rows:
         full = results[(n, None, "bam", backward)]
         if window is not None:  # the kernel with a window against itself fully causal
             ratio = f"{full / ms:.2f}× faster than full causal"
+        elif name.startswith("bam gqa"):  # against the kernel with one kv head per query head
+            ratio = f"{tflops / mha_tflops[(n, backward)]:.2f}× the TFLOP/s with all kv heads"
+        elif " gqa " in name:  # SDPA with GQA against the kernel with GQA
+            bam_gqa = results[(n, None, "bam" + name[name.index(" gqa"):], backward)]
+            ratio = f"bam is {ms / bam_gqa:.2f}× as fast"
         elif name != "bam":
             ratio = f"bam is {ms / full:.2f}× as fast"
         else:

@@ -154,6 +154,10 @@ def validate(c: Config, source: str) -> None:
     head_dim = m.d_model // m.n_heads
     require(a.positional != "rope" or head_dim % 2 == 0, "model.attention.positional",
             f"rope needs an even head dimension, got {head_dim}")
+    for section in ("attention", "swa"):
+        kv = getattr(m, section).kv_heads
+        require(kv is None or (kv >= 1 and m.n_heads % kv == 0), f"model.{section}.kv_heads",
+                f"{kv} does not divide model.n_heads={m.n_heads}")
     require(m.ffn_hidden is None or m.ffn_hidden >= 1, "model.ffn_hidden", f"must be at least 1, got {m.ffn_hidden}")
     require(len(m.layer_pattern) >= 1, "model.layer_pattern", "must name at least one mixer")
     from megabam.model.transformer import MIXERS, PATTERN_LETTERS, expand_pattern, is_compact_pattern
@@ -221,6 +225,9 @@ def _validate_tensor_parallel(c: Config, mixers: set[str], require) -> None:
     m, tp = c.model, c.parallel.tensor
     splits = [("model.n_heads", m.n_heads), ("model.vocab_size", m.vocab_size),
               ("model.ffn_hidden", m.ffn_hidden or swiglu_hidden(m.d_model))]
+    for mixer in ("attention", "swa"):
+        if mixer in mixers and getattr(m, mixer).kv_heads:
+            splits.append((f"model.{mixer}.kv_heads", getattr(m, mixer).kv_heads))
     if "mlstm" in mixers:
         splits.append(("model.mlstm.n_heads", m.mlstm.n_heads or m.n_heads))
     if "gated_deltanet" in mixers:

@@ -54,6 +54,10 @@ class AttentionConfig:
     )
     rope_theta: float = doc(10000.0, "RoPE base (positional=rope).")
     block_size: int = doc(128, "Query rows per tile of the attention op; memory grows as block_size·N.")
+    kv_heads: Optional[int] = doc(
+        None, "Key/value heads (grouped-query attention): each serves model.n_heads / kv_heads consecutive "
+        "query heads, whose prior and SSMax stay their own; null = model.n_heads."
+    )
 
 
 @dataclass

@@ -64,8 +64,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, a: AttentionConfig, prior: Optional[nn.Module], sliding: bool = False):
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.kv_heads = a.kv_heads or cfg.n_heads  # grouped-query attention when fewer than n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.kv_heads) * self.head_dim, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.prior = prior
         self.ssmax_s = nn.Parameter(torch.ones(cfg.n_heads)) if a.ssmax else None
@@ -78,9 +79,15 @@ class Attention(nn.Module):
         self.block_size = a.block_size
         self.kernels = cfg.kernels
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, n_heads, N, D) and k, v (B, kv_heads, N, D) from the fused projection [q | k | v]."""
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).split([self.n_heads * self.head_dim] + 2 * [self.kv_heads * self.head_dim], dim=-1)
+        return tuple(t.view(B, N, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         B, N, _ = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = self._project(x)
         if self.rope_theta is not None:
             cos, sin = rope_tables(N, self.head_dim, self.rope_theta, device=x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -105,7 +112,7 @@ class Attention(nn.Module):
         B, C, _ = x.shape
         window = self.window_of(seq)
         start = 0 if cache is None else cache.length
-        q, k, v = self.qkv(x).view(B, C, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = self._project(x)
         if self.rope_theta is not None:
             cos, sin = rope_tables(C, self.head_dim, self.rope_theta, device=x.device, start=start)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -113,7 +120,7 @@ class Attention(nn.Module):
             raise ValueError(f"the stream was started with window {cache.k.shape[2]}, not {window}")
         if cache is None:
             slots = 0 if window is None else window
-            empty = k.new_zeros(B, self.n_heads, slots, self.head_dim)
+            empty = k.new_zeros(B, self.kv_heads, slots, self.head_dim)
             cache = KVCache(empty, empty, torch.full((slots,), -1, dtype=torch.long, device=x.device), 0)
         new_pos = torch.arange(start, start + C, device=x.device)
         keys, values = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
@@ -133,7 +140,8 @@ class Attention(nn.Module):
         like the op."""
         dtype = q.dtype
         cd = torch.float64 if dtype == torch.float64 else torch.float32
-        q, k, v = q.to(cd), k.to(cd), v.to(cd)
+        group = self.n_heads // self.kv_heads  # each cached key/value head serves `group` query heads
+        q, k, v = q.to(cd), k.to(cd).repeat_interleave(group, 1), v.to(cd).repeat_interleave(group, 1)
         delta = k_pos[None, :] - q_pos[:, None]  # j - i
         allowed = (k_pos[None, :] >= 0) & (delta <= 0)
         if window is not None:

@@ -11,6 +11,8 @@ a TP=k model from seed s holds exactly the shards of the TP=1 model from seed s.
 full model's memory once at build time; models too large for one rank will need meta-device
 construction with per-shard initialisation that reproduces the same values.
 """
+from typing import Union
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,16 +27,19 @@ from megabam.parallel.mappings import copy_to_tensor_region, gather_from_tensor_
 from megabam.parallel.topology import Topology
 
 
-def shard(t: Tensor, dim: int, rank: int, size: int, parts: int = 1) -> Tensor:
-    """Rank `rank`'s share of `t` along `dim` when `t` is `parts` equal fused blocks along it.
+def shard(t: Tensor, dim: int, rank: int, size: int, parts: Union[int, list[int]] = 1) -> Tensor:
+    """Rank `rank`'s share of `t` along `dim` when `t` is fused blocks along it: `parts` equal ones, or
+    blocks of the sizes listed.
 
     Each block is split into `size` contiguous pieces and the rank takes its piece of every block: a
-    fused [q | k | v] projection (parts=3) gives each rank the same heads of q, k and v, and a fused
-    [gate | up] (parts=2) the same hidden units of both halves.
+    fused [q | k | v] projection gives each rank the same heads of q, k and v (and, with fewer
+    key/value heads, the kv heads its query heads use), and a fused [gate | up] (parts=2) the same
+    hidden units of both halves.
     """
-    if t.shape[dim] % (parts * size):
-        raise ValueError(f"dimension {dim} of size {t.shape[dim]} does not split into {parts}×{size} pieces")
-    return torch.cat([block.chunk(size, dim)[rank] for block in t.chunk(parts, dim)], dim).detach().clone()
+    sizes = [t.shape[dim] // parts] * parts if isinstance(parts, int) else parts
+    if sum(sizes) != t.shape[dim] or any(n % size for n in sizes):
+        raise ValueError(f"dimension {dim} of size {t.shape[dim]} does not split into blocks {sizes} of {size} pieces")
+    return torch.cat([block.chunk(size, dim)[rank] for block in t.split(sizes, dim)], dim).detach().clone()
 
 
 def sharded_parameter(t: Tensor, requires_grad: bool = True) -> nn.Parameter:
@@ -60,7 +65,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, topology: Topology, parts: int = 1) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, topology: Topology, parts: Union[int, list[int]] = 1) -> "ColumnParallelLinear":
         """Slice `linear`'s output rows (and bias), `parts` fused blocks kept aligned (see `shard`)."""
         r, k = topology.tp_rank, topology.tp_size
         bias = None if linear.bias is None else shard(linear.bias, 0, r, k, parts)
@@ -210,8 +215,10 @@ def _local_heads(heads: int, topology: Topology, what: str) -> int:
 
 
 def _shard_attention(attn: Attention, topology: Topology, sharded: set[int]) -> None:
+    q_rows, kv_rows = attn.n_heads * attn.head_dim, attn.kv_heads * attn.head_dim
     attn.n_heads = _local_heads(attn.n_heads, topology, "attention")
-    attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, topology, parts=3)
+    attn.kv_heads = _local_heads(attn.kv_heads, topology, "attention key/value")
+    attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, topology, parts=[q_rows, kv_rows, kv_rows])
     attn.out = RowParallelLinear.from_linear(attn.out, topology)
     if attn.ssmax_s is not None:
         _shard_parameter(attn, "ssmax_s", topology)
