@@ -1,5 +1,6 @@
 """The Triton BAM kernel (kernels/bam_attention_triton.py) against the PyTorch reference, on CPU under
-the Triton interpreter, and the dispatch point (kernels/dispatch.py) that chooses between them.
+the Triton interpreter, and the model's attention reaching the kernel through the dispatch point
+(kernels/dispatch.py; its own rules are tested in tests/test_dispatch.py).
 
 TRITON_INTERPRET=1 is set here, in-process, before the kernel module is imported: triton.jit and
 triton.autotune read it when they decorate a kernel (at import), and Triton reads it again at the
@@ -19,7 +20,6 @@ the same tolerances; measured worst cases 7.2e-6 (ds, fp32) and 6.5e-4 (dμ, fp1
 small (N = 37 and 64, D = 16, interpreter tiles of 16) so the file runs in well under two minutes
 on two cores.
 """
-import logging
 import math
 import os
 import subprocess
@@ -274,46 +274,12 @@ def test_rejects_unsupported_dtype():
         kt.bam_attention_triton(q, q, q)
 
 
-# --- the dispatch point ----------------------------------------------------------------------------
+# --- the model through the dispatch point ----------------------------------------------------------
 
 @pytest.fixture
 def ops(monkeypatch):
     """Records which op the dispatch point ran ("reference" / "triton")."""
     return spy_on_ops(monkeypatch, (dispatch, "bam_attention"), (kt, "bam_attention_triton"))
-
-
-def small_call(kernels="auto"):
-    q, k, v, a, b, m, s = (t.detach() for t in make_inputs(torch.float32))
-    return dispatch.attention(q, k, v, theta_alpha=a, theta_beta=b, ssmax_s=s, window=16, kernels=kernels)
-
-
-def test_dispatch_picks_reference_on_cpu_and_logs_once(ops, caplog):
-    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
-        small_call()
-        small_call()
-    assert ops == ["reference", "reference"]
-    assert [r.getMessage() for r in caplog.records] == ["attention op: reference (mode auto, cpu tensors)"]
-
-
-def test_dispatch_forced_triton_runs_the_kernel(ops, monkeypatch):
-    ref = small_call("reference")
-    got = small_call("triton")
-    monkeypatch.setenv(dispatch.ENV, "triton")
-    small_call("auto")
-    monkeypatch.setenv(dispatch.ENV, "reference")  # the environment wins over the config
-    small_call("triton")
-    assert ops == ["reference", "triton", "triton", "reference"]
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_dispatch_refuses_triton_on_cpu_without_interpreter(ops, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(RuntimeError, match="need TRITON_INTERPRET=1"):
-        small_call("triton")
-    monkeypatch.setenv(dispatch.ENV, "fast")
-    with pytest.raises(ValueError, match="MEGABAM_KERNELS must be one of auto, triton, reference"):
-        small_call()
-    assert ops == []
 
 
 def test_model_kernels_config_reaches_the_mixer(ops):

@@ -1,5 +1,6 @@
 """The chunkwise mLSTM Triton kernels (kernels/mlstm_triton.py) against the PyTorch chunkwise form, on
-CPU under the Triton interpreter, and the dispatch point's mLSTM entry.
+CPU under the Triton interpreter, and the mLSTM mixer reaching the kernel through the dispatch point
+(whose own rules are tested in tests/test_dispatch.py).
 
 TRITON_INTERPRET=1 is set here, in-process, before the kernel module is imported, as in
 tests/test_kernels_triton.py (see its docstring for why); dispatch imports the kernel lazily, which
@@ -14,7 +15,6 @@ file's cases: fp32 9.4e-6 (dk), fp16 3.9e-4 (dk), bf16 6.2e-3 (dv); gate and sta
 below 2.1e-5 in every dtype (they are fp32). Shapes are small (d_qk 8, d_v 16, chunk 16; N = 37,
 and 9 < chunk) so the file runs in about 25 s on two cores.
 """
-import logging
 import math
 import os
 import subprocess
@@ -157,36 +157,12 @@ def test_rejects_unsupported_dtype():
         kt.mlstm_chunkwise_triton(q, q, q, q[..., 0], q[..., 0], EPS, CHUNK)
 
 
-# --- the dispatch point ----------------------------------------------------------------------------
+# --- the mixer through the dispatch point ----------------------------------------------------------
 
 @pytest.fixture
 def ops(monkeypatch):
     """Records which op the dispatch point ran ("reference" / "triton")."""
     return spy_on_ops(monkeypatch, (dispatch, "mlstm_chunkwise_reference"), (kt, "mlstm_chunkwise_triton"))
-
-
-def small_call(kernels="auto"):
-    q, k, v, i, f = (t.detach() for t in make_inputs(torch.float32, 20))
-    return dispatch.mlstm_chunkwise(q, k, v, i, f, EPS, CHUNK, kernels=kernels)[0]
-
-
-def test_dispatch_picks_reference_on_cpu_and_logs_once(ops, caplog):
-    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
-        small_call()
-        small_call()
-    assert ops == ["reference", "reference"]
-    assert [r.getMessage() for r in caplog.records] == ["mlstm op: reference (mode auto, cpu tensors)"]
-
-
-def test_dispatch_forced_triton_runs_the_kernel(ops, monkeypatch):
-    ref = small_call("reference")
-    got = small_call("triton")
-    monkeypatch.setenv(dispatch.ENV, "triton")
-    small_call("auto")
-    monkeypatch.setenv(dispatch.ENV, "reference")  # the environment wins over the config
-    small_call("triton")
-    assert ops == ["reference", "triton", "triton", "reference"]
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_mixer_with_triton_kernels_matches_reference(ops):
