@@ -48,9 +48,10 @@ def test_sigterm_checkpoints_and_exits_75_then_resumes_exactly(tmp_path, data_ca
     assert losses(run_dir) == losses(tmp_path / "reference")
 
 
-def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, data_cache):
+@pytest.mark.parametrize("layout", [[], ["parallel.pipeline=2"]], ids=["data_parallel", "pipeline"])
+def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, data_cache, layout):
     run_dir = tmp_path / "usr1"
-    proc = start_train(tmp_path, data_cache, "run.name=usr1", *RUN, nproc=2, log=tmp_path / "usr1.log")
+    proc = start_train(tmp_path, data_cache, "run.name=usr1", *RUN, *layout, nproc=2, log=tmp_path / "usr1.log")
     wait_for_step(run_dir, 3, proc)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "megabam.cli" in " ".join(p.cmdline())]
     assert len(workers) == 2
@@ -59,7 +60,8 @@ def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, data
     text = (tmp_path / "usr1.log").read_text()
     assert text.count("preempted after step") >= 1
     tag = (run_dir / "checkpoints" / "latest").read_text().strip()
-    # both ranks' state went into that checkpoint: their RNG files and optimizer shards
+    # both ranks' state went into that checkpoint: their RNG files and optimizer shards (ZeRO's, or
+    # each pipeline stage's)
     assert sorted(p.name for p in (run_dir / "checkpoints" / tag).glob("rng_rank*.json")) == [
         "rng_rank00000.json", "rng_rank00001.json"]
     assert len(list((run_dir / "checkpoints" / tag).glob("*optim_states.pt"))) == 2
@@ -82,9 +84,12 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, data_cache, 
     assert (tmp_path / "damaged" / "checkpoints" / "latest").read_text().strip() == "step_00000008"
 
 
-def test_nan_step_is_skipped_on_both_ranks_and_training_continues(tmp_path, data_cache):
+@pytest.mark.parametrize("layout", [[], ["parallel.pipeline=2"]], ids=["data_parallel", "pipeline"])
+def test_nan_step_is_skipped_on_both_ranks_and_training_continues(tmp_path, data_cache, layout):
+    """Two data-parallel ranks, or two pipeline stages (the engine's train_batch path: the poisoned
+    loss on the last stage makes every stage's gradients non-finite, and both skip the update)."""
     result = megabam_train(tmp_path, data_cache, "run.name=nan", *RUN[1:], "train.steps=6",
-                           "train.debug_nan_steps=[3]", nproc=2)
+                           "train.debug_nan_steps=[3]", *layout, nproc=2)
     out = result.stdout + result.stderr
     assert "step 3: non-finite loss or gradient norm, update skipped (1 in a row)" in out
     assert "skipped (non-finite) 1" in out
