@@ -9,11 +9,11 @@ from megabam.config import ConfigError, load_config
 from megabam.data.layout import ParallelLayout
 from megabam.model import Decoder
 from megabam.parallel.sequence_parallel import apply_sp
-from megabam.parallel.tensor_parallel import apply_tp, count_parameters
+from megabam.parallel.tensor_parallel import apply_tp
 from megabam.parallel.topology import Topology
 from runs import losses, megabam_train
 from spawn import spawn
-from test_tensor_parallel import BAM, GRAD_ATOL, LOSS_RTOL, SEED, SEQ, STEPS, V, _batch, _gather
+from test_tensor_parallel import BAM, GRAD_ATOL, LOSS_RTOL, SEED, SEQ, STEPS, V, _batch, _gather, count_parameters
 
 
 # --- config validation ----------------------------------------------------------------------------

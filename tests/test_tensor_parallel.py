@@ -15,7 +15,7 @@ from megabam.model.attention import Attention
 from megabam.parallel.mappings import (copy_to_tensor_region, gather_from_sequence_region, gather_from_tensor_region,
                                        reduce_from_tensor_region, reduce_scatter_to_sequence_region,
                                        scatter_to_tensor_region)
-from megabam.parallel.tensor_parallel import apply_tp, count_parameters, vocab_parallel_cross_entropy
+from megabam.parallel.tensor_parallel import apply_tp, vocab_parallel_cross_entropy
 from megabam.parallel.topology import Topology
 from spawn import spawn
 
@@ -139,6 +139,16 @@ def test_mappings_and_vocab_parallel_loss_match_single_process_math():
 FUSED_BLOCKS = {"qkv.weight": 3, "conv.weight": 3, "gate_up.weight": 2}
 SPLIT_INPUTS = ("out.weight", "down.weight")
 REPLICATED = ("mixer_norm.weight", "mlp_norm.weight")
+
+
+def count_parameters(model: torch.nn.Module, topology: Topology) -> int:
+    """Collective over the tensor-parallel group: the whole model's parameter count from the shards
+    (summed over the ranks) and the replicated parameters (counted once), so a test can check that
+    sharding neither lost nor duplicated anything."""
+    marked = [getattr(p, "tensor_model_parallel", False) for p in model.parameters()]
+    sharded = torch.tensor([sum(p.numel() for p, m in zip(model.parameters(), marked) if m)])
+    dist.all_reduce(sharded, group=topology.tp_group)
+    return int(sharded) + sum(p.numel() for p, m in zip(model.parameters(), marked) if not m)
 
 
 def _gather(name: str, local: torch.Tensor, group, blocks=None) -> torch.Tensor:

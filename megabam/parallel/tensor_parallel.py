@@ -286,11 +286,3 @@ def apply_tp(model: Decoder, topology: Topology) -> Decoder:
         plan(block.mixer, topology, sharded)
         _shard_mlp(block.mlp, topology)
     return model
-
-
-def count_parameters(model: nn.Module, topology: Topology) -> int:
-    """Collective over the tensor-parallel group: the whole model's parameter count, shards summed
-    over the ranks and replicated parameters counted once."""
-    sharded = torch.tensor([sum(p.numel() for p in model.parameters() if getattr(p, "tensor_model_parallel", False))])
-    dist.all_reduce(sharded, group=topology.tp_group)
-    return int(sharded) + sum(p.numel() for p in model.parameters() if not getattr(p, "tensor_model_parallel", False))
