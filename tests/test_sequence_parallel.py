@@ -94,6 +94,7 @@ def _compare_sp(overrides: list[str], window) -> dict[str, float]:
     with torch.no_grad():
         torch.testing.assert_close(sp(ids, doc_ids=doc_ids, window=window), full(ids, doc_ids=doc_ids, window=window),
                                    rtol=1e-4, atol=1e-5)
+        assert torch.equal(sp.greedy(ids), full(ids).argmax(-1))
         # A prompt chunk whose length splits over the ranks streams under SP too.
         chunk = ids[:, :20]
         torch.testing.assert_close(sp.stream(chunk, window=window)[0], full.stream(chunk, window=window)[0],

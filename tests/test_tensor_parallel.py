@@ -235,6 +235,8 @@ def _compare_tp_with_single(overrides: list[str], window, covered: tuple[str, ..
     with torch.no_grad():  # without labels the TP model returns the full (gathered) logits
         torch.testing.assert_close(tp(ids, doc_ids=doc_ids, window=window), full(ids, doc_ids=doc_ids, window=window),
                                    rtol=1e-4, atol=1e-5)
+        # greedy prediction (passkey scoring) takes the vocab-parallel argmax without gathering logits
+        assert torch.equal(tp.greedy(ids), full(ids).argmax(-1))
         # Recurrent inference over local heads (KV caches, mLSTM / DeltaNet states, convolution caches):
         # a prompt chunk, then one token at a time.
         states, chunks = [None, None], [ids[:, :20], ids[:, 20:21], ids[:, 21:22]]

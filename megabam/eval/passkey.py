@@ -18,7 +18,7 @@ def passkey_accuracy(predict: Callable[[torch.Tensor], torch.Tensor], tokenizer:
                      n_samples: int, seed: int, device) -> float:
     """Share of `n_samples` prompts of `n_tokens` tokens (needle depths spread evenly over 0..1)
     whose key the model reproduces. `predict(ids)` maps token ids (1, n) to the model's most likely
-    next token at each position (1, n), e.g. `greedy(model)`."""
+    next token at each position (1, n), e.g. `Decoder.greedy`."""
     rng = random.Random(seed)
     hits = 0
     for i in range(n_samples):
@@ -31,8 +31,3 @@ def passkey_accuracy(predict: Callable[[torch.Tensor], torch.Tensor], tokenizer:
         predicted = predict(ids)[0, -len(sample.answer_ids) - 1:-1]
         hits += int(predicted.tolist() == sample.answer_ids)
     return hits / n_samples
-
-
-def greedy(model) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`predict` for a whole model called as model(ids) → logits: their argmax."""
-    return lambda ids: model(ids).argmax(-1)

@@ -133,13 +133,24 @@ class Decoder(nn.Module):
         """Mean next-token cross-entropy when `labels` is given, else the logits (B, N, vocab).
         `window` is the sliding-window layers' window for this call (the trainer sets it per step from
         the window sampler); None = model.swa.window. Full attention layers ignore it."""
+        return self.output(self._final_hidden(input_ids, doc_ids, window), self._head_weight(), labels)
+
+    @torch.no_grad()
+    def greedy(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The most likely next token at each position (B, N), one document per row and the configured
+        SWA window. The output takes the argmax itself, so a vocab-parallel one never gathers logits."""
+        logits = self.output.local_logits(self._final_hidden(input_ids, None, None), self._head_weight())
+        return self.output.greedy(logits)
+
+    def _final_hidden(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor], window: Optional[int]) -> torch.Tensor:
+        """The normed hidden states the output reads."""
         x = self.embed(input_ids)
         if self.sinusoidal:
             x = self.positions(x)
         seq = SequenceInfo(doc_ids=doc_ids, window=window)
         for block in self.blocks:
             x = block(x, seq)
-        return self.output(self.norm(x), self._head_weight(), labels)
+        return self.norm(x)
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -27,7 +27,7 @@ def _all_reduce(x: Tensor, group) -> Tensor:
     return out
 
 
-def _all_gather(x: Tensor, dim: int, group) -> Tensor:
+def all_gather_along(x: Tensor, dim: int, group) -> Tensor:
     """Concatenation along `dim` of every rank's `x` (same shape on each), in rank order."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
@@ -86,14 +86,14 @@ class _ScatterToTensorRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, -1, ctx.group), None
+        return all_gather_along(grad, -1, ctx.group), None
 
 
 class _GatherFromTensorRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, -1, group)
+        return all_gather_along(x, -1, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -107,7 +107,7 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, SEQUENCE_DIM, group)
+        return all_gather_along(x, SEQUENCE_DIM, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -124,7 +124,7 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, SEQUENCE_DIM, ctx.group), None
+        return all_gather_along(grad, SEQUENCE_DIM, ctx.group), None
 
 
 def copy_to_tensor_region(x: Tensor, group) -> Tensor:

@@ -23,7 +23,8 @@ from megabam.model.gated_deltanet import GatedDeltaNet
 from megabam.model.layers import SwiGLU
 from megabam.model.mlstm import MLstm
 from megabam.model.transformer import Decoder, VocabOutput
-from megabam.parallel.mappings import copy_to_tensor_region, gather_from_tensor_region, reduce_from_tensor_region
+from megabam.parallel.mappings import (all_gather_along, copy_to_tensor_region, gather_from_tensor_region,
+                                       reduce_from_tensor_region)
 from megabam.parallel.topology import Topology
 
 
@@ -192,12 +193,11 @@ class VocabParallelOutput(VocabOutput):
         """The argmax over the whole vocabulary without gathering the logits: each rank's best (value,
         token) per position crosses the group; ties go to the lowest token, as torch.argmax does."""
         best, token = logits.max(-1)
-        ranks = dist.get_world_size(self.group)
-        values, tokens = [torch.empty_like(best) for _ in range(ranks)], [torch.empty_like(token) for _ in range(ranks)]
-        dist.all_gather(values, best.contiguous(), group=self.group)
-        dist.all_gather(tokens, (token + self.vocab_start).contiguous(), group=self.group)
-        winner = torch.stack(values).argmax(0)  # the first (lowest-vocabulary) rank among equal maxima
-        return torch.stack(tokens).gather(0, winner[None]).squeeze(0)
+        # One collective: values and token ids travel as float64 (exact for both).
+        pairs = all_gather_along(torch.stack([best.double(), (token + self.vocab_start).double()]), 0, self.group)
+        values, tokens = pairs.view(-1, 2, *best.shape).unbind(1)
+        winner = values.argmax(0)  # the first (lowest-vocabulary) rank among equal maxima
+        return tokens.gather(0, winner[None]).squeeze(0).long()
 
 
 def _shard_parameter(module: nn.Module, name: str, topology: Topology) -> None:

@@ -14,7 +14,6 @@ from megabam.data.layout import ParallelLayout
 from megabam.model import Decoder
 from megabam.parallel.activation_checkpoint import apply_ac
 from megabam.parallel.deepspeed_mpu import DeepSpeedMpu
-from megabam.eval.passkey import greedy
 from megabam.parallel.pipeline import StepContext, build_pipeline, pipeline_greedy
 from megabam.parallel.sequence_parallel import apply_sp
 from megabam.parallel.tensor_parallel import apply_tp
@@ -75,7 +74,6 @@ class TrainingModel:
     """
 
     engine: object
-    scheduler: object
     params: int
     flops_per_token: float
     pipeline: Optional[StepContext]
@@ -112,14 +110,14 @@ def build_engine(cfg: Config, topology: Topology) -> TrainingModel:
         if cfg.parallel.sequence_parallel:
             apply_sp(model, topology)
     apply_ac(model, cfg.parallel.recompute, cfg.parallel.recompute_mixers)
-    context, mpu, predict = None, DeepSpeedMpu(topology), greedy(model)
+    context, mpu, predict = None, DeepSpeedMpu(topology), model.greedy
     if topology.pp_size > 1:
         # The pipeline module brings DeepSpeed's grid (built from the same topology) as its mpu.
         context, mpu, output = StepContext(), None, model.output
         model = build_pipeline(model, topology, cfg.parallel.pipeline_boundaries, context)
         predict = pipeline_greedy(model, topology, output, context, cfg.model.d_model, cfg.parallel.sequence_parallel)
     optimizer = build_optimizer(model, cfg.optim)
-    engine, _, _, scheduler = deepspeed.initialize(
+    engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
         mpu=mpu,
@@ -127,4 +125,4 @@ def build_engine(cfg: Config, topology: Topology) -> TrainingModel:
         lr_scheduler=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.steps),
         config=deepspeed_config(cfg),
     )
-    return TrainingModel(engine, scheduler, params, flops_per_token, context, predict)
+    return TrainingModel(engine, params, flops_per_token, context, predict)
