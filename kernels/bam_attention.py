@@ -5,12 +5,15 @@ never builds an N x N tensor: each query block only touches the keys its causal 
 document can reach, and the backward recomputes probabilities from the saved row log-sum-exp
 (flash-attention style), so memory is O(B·H·block·keys) per step and cost with a window is O(N·w).
 """
+
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from megabam.kernels.precision import compute_dtype
 
 EPS = 1e-5  # keeps the diagonal prior finite when theta_beta < 0
 # Cap on the prior's exponent (theta_alpha + theta_beta·ln(|d|+eps)). A log-prior of -e^60 already
@@ -19,26 +22,28 @@ EPS = 1e-5  # keeps the diagonal prior finite when theta_beta < 0
 EXP_CAP = 60.0
 
 
-class _Params(NamedTuple):
-    alpha: Optional[Tensor]  # (H,) theta_alpha, in the compute dtype; None = no prior
-    beta: Optional[Tensor]
-    mu: Optional[Tensor]  # raw theta_mu; None = mu 0
-    s: Optional[Tensor]  # (H,) SSMax scale; None = no SSMax
+class BamParams(NamedTuple):
+    """The per-head tensors of one call, in the compute dtype, and its options."""
+
+    alpha: Tensor | None  # (H,) theta_alpha; None = no prior
+    beta: Tensor | None
+    mu: Tensor | None  # raw theta_mu; None = mu 0
+    s: Tensor | None  # (H,) SSMax scale; None = no SSMax
     ssmax_before_prior: bool
     scale: float
 
 
-def _params(dtype, thetas, ssmax_before_prior: bool, scale: float) -> _Params:
+def bam_params(dtype, thetas, ssmax_before_prior: bool, scale: float) -> BamParams:
     """The (θα, θβ, θμ, s) tensors, detached and cast to the compute dtype, with the options."""
-    return _Params(*(None if t is None else t.detach().to(dtype) for t in thetas),
-                   ssmax_before_prior, scale)
+    return BamParams(*(None if t is None else t.detach().to(dtype) for t in thetas), ssmax_before_prior, scale)
 
 
-def _key_start(doc_ids: Optional[Tensor], window: Optional[int], n: int, device) -> Tensor:
+def key_start(doc_ids: Tensor | None, window: int | None, n: int, device) -> Tensor:
     """lo[b, i]: first key query i may attend to, (B or 1, N) long; row i sees keys lo..i.
 
-    Documents are contiguous runs of equal doc_ids, so the document constraint is j >= start of i's
-    document. lo is non-decreasing in i, and n_i = i - lo + 1 is the SSMax key count.
+    This is the whole mask: causal (j <= i), window (i - window < j) and document (j >= start of i's
+    document; documents are contiguous runs of equal doc_ids). lo is non-decreasing in i, and
+    n_i = i - lo + 1 is the SSMax key count.
     """
     i = torch.arange(n, device=device)
     if doc_ids is None:
@@ -58,7 +63,7 @@ def _blocks(lo: Tensor, n: int, block: int):
         yield qs, min(qs + block, n), int(lo[:, qs].min())
 
 
-def _prior(p: _Params, delta: Tensor):
+def prior_terms(p: BamParams, delta: Tensor):
     """GGD log-prior -exp(θα)·(|d|+ε)^θβ at relative positions delta = j - i (1-D), as (H, L).
 
     d = delta - 2·sinh(θμ). Returns (prior, live, log_a, d): live marks entries under EXP_CAP (where
@@ -73,32 +78,38 @@ def _prior(p: _Params, delta: Tensor):
     return -torch.exp(expo.clamp(max=EXP_CAP)), expo < EXP_CAP, log_a, d
 
 
-def _block_logits(q: Tensor, k: Tensor, qs: int, ks: int, lo: Tensor, p: _Params):
+def combine_logits(qk: Tensor, prior: Tensor | None, log_n: Tensor | None, p: BamParams) -> Tensor:
+    """Unmasked logits from the scaled dot products qk (.., H, R, C), the prior tile (H, R, C) or None,
+    and ln n_i (.., R, 1) or None: (qk + prior)·s·ln n_i, or qk·s·ln n_i + prior if ssmax_before_prior."""
+    logits = qk if prior is None else qk + prior
+    if p.s is None:
+        return logits
+    c = p.s[:, None, None] * log_n
+    return qk * c + prior if (prior is not None and p.ssmax_before_prior) else logits * c
+
+
+def block_logits(q: Tensor, k: Tensor, qs: int, ks: int, lo: Tensor, p: BamParams):
     """Masked logits (B, H, R, C) of query rows qs.. against keys ks.., plus what the backward needs.
 
     q: (B, H, R, D) and k: (B, H, C, D) in the compute dtype, lo: (B or 1, R) key starts of the rows.
     Returns (logits, qk, log_n, prior): qk the scaled dot products, log_n (B or 1, 1, R, 1) = ln n_i
-    or None, prior None or (tile (H, R, C), offset index (R, C), the _prior tuple over offsets).
+    or None, prior None or (tile (H, R, C), offset index (R, C), the prior_terms tuple over offsets).
     Masked entries are -inf, so exp() makes them exactly 0.
     """
     R, C = q.shape[-2], k.shape[-2]
     rows = torch.arange(qs, qs + R, device=q.device)
     cols = torch.arange(ks, ks + C, device=q.device)
     qk = (q @ k.transpose(-1, -2)) * p.scale
-    logits, prior = qk, None
+    prior = None
     if p.alpha is not None:
         # The prior depends on j - i only: evaluate it once per offset (R + C - 1 values, not R·C)
         # and gather the tile from that Toeplitz table.
         first = ks - (qs + R - 1)
-        terms = _prior(p, torch.arange(first, ks + C - qs, device=q.device))
+        terms = prior_terms(p, torch.arange(first, ks + C - qs, device=q.device))
         idx = cols[None, :] - rows[:, None] - first
         prior = (terms[0][:, idx], idx, terms)
-        logits = qk + prior[0]
-    log_n = None
-    if p.s is not None:
-        log_n = torch.log((rows - lo + 1).to(qk.dtype))[:, None, :, None]
-        c = p.s[:, None, None] * log_n
-        logits = qk * c + prior[0] if (prior is not None and p.ssmax_before_prior) else logits * c
+    log_n = None if p.s is None else torch.log((rows - lo + 1).to(qk.dtype))[:, None, :, None]
+    logits = combine_logits(qk, None if prior is None else prior[0], log_n, p)
     allowed = (cols[None, None, :] <= rows[None, :, None]) & (cols[None, None, :] >= lo[:, :, None])
     return logits.masked_fill(~allowed[:, None], -math.inf), qk, log_n, prior
 
@@ -106,14 +117,14 @@ def _block_logits(q: Tensor, k: Tensor, qs: int, ks: int, lo: Tensor, p: _Params
 class _BAMAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, alpha, beta, mu, s, lo, ssmax_before_prior, block, scale):
-        cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-        p = _params(cd, (alpha, beta, mu, s), ssmax_before_prior, scale)
-        qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
+        dtype = compute_dtype(q)
+        p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale)
+        qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
         B, H, N, _ = q.shape
-        out = torch.empty(B, H, N, v.shape[-1], dtype=cd, device=q.device)
-        lse = torch.empty(B, H, N, dtype=cd, device=q.device)
+        out = torch.empty(B, H, N, v.shape[-1], dtype=dtype, device=q.device)
+        lse = torch.empty(B, H, N, dtype=dtype, device=q.device)
         for qs, qe, ks in _blocks(lo, N, block):
-            logits = _block_logits(qc[:, :, qs:qe], kc[:, :, ks:qe], qs, ks, lo[:, qs:qe], p)[0]
+            logits = block_logits(qc[:, :, qs:qe], kc[:, :, ks:qe], qs, ks, lo[:, qs:qe], p)[0]
             lse[:, :, qs:qe] = torch.logsumexp(logits, -1)  # finite: the diagonal is always allowed
             out[:, :, qs:qe] = torch.exp(logits - lse[:, :, qs:qe, None]) @ vc[:, :, ks:qe]
         ctx.save_for_backward(q, k, v, lse, lo, alpha, beta, mu, s)
@@ -125,15 +136,15 @@ class _BAMAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, lse, lo, alpha, beta, mu, s = ctx.saved_tensors
         ssmax_before_prior, block, scale = ctx.cfg
-        cd = lse.dtype
-        p = _params(cd, (alpha, beta, mu, s), ssmax_before_prior, scale)
-        qc, kc, vc, do = q.to(cd), k.to(cd), v.to(cd), dout.to(cd)
+        dtype = lse.dtype
+        p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale)
+        qc, kc, vc, do = q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype)
         _, H, N, _ = q.shape
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
-        da, db, dm, ds = (torch.zeros(H, dtype=cd, device=q.device) for _ in range(4))
+        da, db, dm, ds = (torch.zeros(H, dtype=dtype, device=q.device) for _ in range(4))
         for qs, qe, ks in _blocks(lo, N, block):
             qb, kb, vb, dob = qc[:, :, qs:qe], kc[:, :, ks:qe], vc[:, :, ks:qe], do[:, :, qs:qe]
-            logits, qk, log_n, prior = _block_logits(qb, kb, qs, ks, lo[:, qs:qe], p)
+            logits, qk, log_n, prior = block_logits(qb, kb, qs, ks, lo[:, qs:qe], p)
             prob = torch.exp(logits - lse[:, :, qs:qe, None])
             dv[:, :, ks:qe] += prob.transpose(-1, -2) @ dob
             # Softmax backward p⊙(dP - Σ_j p·dP). A block holds whole rows, so the row sum comes from
@@ -165,8 +176,13 @@ class _BAMAttention(torch.autograd.Function):
             dm = dm * 2 * torch.cosh(p.mu)
 
         grads = zip((dq, dk, dv, da, db, dm, ds), (q, k, v, alpha, beta, mu, s))
-        return (*(g.to(t.dtype) if ctx.needs_input_grad[i] else None
-                  for i, (g, t) in enumerate(grads)), None, None, None, None)
+        return (
+            *(g.to(t.dtype) if ctx.needs_input_grad[i] else None for i, (g, t) in enumerate(grads)),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def check_arguments(q: Tensor, k: Tensor, v: Tensor, theta_alpha, theta_beta, theta_mu, window) -> None:
@@ -175,8 +191,10 @@ def check_arguments(q: Tensor, k: Tensor, v: Tensor, theta_alpha, theta_beta, th
     if h_k != h_v:
         raise ValueError(f"k and v must have the same number of heads, got {h_k} and {h_v}")
     if h_k < 1 or h % h_k:
-        raise ValueError(f"k and v have {h_k} heads, which does not divide q's {h} heads "
-                         f"(grouped-query attention needs H_kv to divide H)")
+        raise ValueError(
+            f"k and v have {h_k} heads, which does not divide q's {h} heads "
+            f"(grouped-query attention needs H_kv to divide H)"
+        )
     if (theta_alpha is None) != (theta_beta is None):
         raise ValueError("theta_alpha and theta_beta must be given together")
     if theta_mu is not None and theta_alpha is None:
@@ -185,11 +203,21 @@ def check_arguments(q: Tensor, k: Tensor, v: Tensor, theta_alpha, theta_beta, th
         raise ValueError(f"window must be >= 1, got {window}")
 
 
-def bam_attention(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Optional[Tensor] = None,
-                  theta_beta: Optional[Tensor] = None, theta_mu: Optional[Tensor] = None,
-                  ssmax_s: Optional[Tensor] = None, ssmax_before_prior: bool = False,
-                  doc_ids: Optional[Tensor] = None, window: Optional[int] = None,
-                  block_size: int = 128, scale: Optional[float] = None) -> Tensor:
+def bam_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    theta_alpha: Tensor | None = None,
+    theta_beta: Tensor | None = None,
+    theta_mu: Tensor | None = None,
+    ssmax_s: Tensor | None = None,
+    ssmax_before_prior: bool = False,
+    doc_ids: Tensor | None = None,
+    window: int | None = None,
+    block_size: int = 128,
+    scale: float | None = None,
+) -> Tensor:
     """Causal attention with the BAM GGD log-prior and SSMax, tiled so no N x N tensor exists.
 
     q: (B, H, N, D), k, v: (B, H_kv, N, D) with H_kv dividing H, of any float dtype; computed in fp32
@@ -207,8 +235,8 @@ def bam_attention(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Optional[Tens
     """
     check_arguments(q, k, v, theta_alpha, theta_beta, theta_mu, window)
     N, D = q.shape[-2:]
-    lo = _key_start(doc_ids, window, N, q.device)
-    scale = D ** -0.5 if scale is None else float(scale)
+    lo = key_start(doc_ids, window, N, q.device)
+    scale = D**-0.5 if scale is None else float(scale)
     if k.shape[1] != q.shape[1]:
         # Grouped-query attention, the obviously-correct way: give every query head its own copy of
         # its group's key/value head and run the per-head op. repeat_interleave's backward sums the
@@ -217,5 +245,48 @@ def bam_attention(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Optional[Tens
         # Triton kernel indexes the shared head instead). H_kv == H never takes this branch.
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return _BAMAttention.apply(q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo,
-                               ssmax_before_prior, block_size, scale)
+    return _BAMAttention.apply(
+        q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo, ssmax_before_prior, block_size, scale
+    )
+
+
+def dense_bam_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    *,
+    theta_alpha: Tensor | None = None,
+    theta_beta: Tensor | None = None,
+    theta_mu: Tensor | None = None,
+    ssmax_s: Tensor | None = None,
+    ssmax_before_prior: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """The op's attention (same prior, SSMax and masks, one document) of queries at stream positions
+    q_pos (C,) to keys at k_pos (S,), densely: C × S logits, for the few queries of streaming
+    inference against a KV cache. k_pos -1 marks an empty cache slot. q (B, H, C, D), k, v
+    (B, H_kv, S, D); computed in the compute dtype, returned in q's dtype. No gradients of its own:
+    inference only."""
+    check_arguments(q, k, v, theta_alpha, theta_beta, theta_mu, window)
+    dtype = compute_dtype(q)
+    group = q.shape[1] // k.shape[1]  # each key/value head serves `group` query heads
+    qc, kc, vc = q.to(dtype), k.to(dtype).repeat_interleave(group, 1), v.to(dtype).repeat_interleave(group, 1)
+    p = bam_params(
+        dtype,
+        (theta_alpha, theta_beta, theta_mu, ssmax_s),
+        ssmax_before_prior,
+        q.shape[-1] ** -0.5 if scale is None else float(scale),
+    )
+    # A stream is one document from position 0, so a row's first key is set by the window alone.
+    lo = q_pos.new_zeros(q_pos.shape) if window is None else (q_pos - window + 1).clamp(min=0)
+    delta = k_pos[None, :] - q_pos[:, None]  # j - i, (C, S)
+    allowed = (k_pos[None, :] >= lo[:, None]) & (delta <= 0)
+    qk = (qc @ kc.transpose(-1, -2)) * p.scale
+    prior = None if p.alpha is None else prior_terms(p, delta.flatten())[0].view(-1, *delta.shape)
+    log_n = None if p.s is None else torch.log((q_pos - lo + 1).to(dtype))[:, None]
+    logits = combine_logits(qk, prior, log_n, p)
+    probs = torch.softmax(logits.masked_fill(~allowed, -math.inf), dim=-1)
+    return (probs @ vc).to(q.dtype)

@@ -20,8 +20,8 @@ and the CPU interpreter of the pinned Triton 3.9 (TRITON_INTERPRET=1, read when 
 imported). The interpreter's bf16 arithmetic is wrong, so when interpreting every load is upcast to
 fp32 at once; on a GPU the dot products take the input dtype (tensor cores) and accumulate in fp32.
 """
+
 import os
-from typing import Optional
 
 import torch
 import triton
@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from kernels.bam_attention import EPS, EXP_CAP, _key_start, check_arguments
+from megabam.kernels.bam_attention import EPS, EXP_CAP, check_arguments, key_start
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The interpreter runs ~1-3 ms per tile iteration whatever the tile size, and autotune with more than
@@ -53,8 +53,11 @@ _TUNE_KEY = ["N", "BLOCK_D", "HAS_PRIOR", "HAS_SSMAX"]
 @triton.jit
 def _load_rows(ptr, offs, offs_d, stride_n, stride_d, n, d, UPCAST: tl.constexpr):
     """A (len(offs), BLOCK_D) tile of rows offs of a (N, D) matrix; zeros outside; fp32 if UPCAST."""
-    x = tl.load(ptr + offs[:, None] * stride_n + offs_d[None, :] * stride_d,
-                mask=(offs[:, None] < n) & (offs_d[None, :] < d), other=0.0)
+    x = tl.load(
+        ptr + offs[:, None] * stride_n + offs_d[None, :] * stride_d,
+        mask=(offs[:, None] < n) & (offs_d[None, :] < d),
+        other=0.0,
+    )
     if UPCAST:
         x = x.to(tl.float32)
     return x
@@ -77,10 +80,24 @@ def _head_scalars(ALPHA, BETA, MU, S, h, HAS_PRIOR: tl.constexpr, HAS_SSMAX: tl.
 
 
 @triton.jit
-def _tile(q, k, offs_m, offs_n, lo_m, n, alpha, beta, mu, s, scale,
-          HAS_PRIOR: tl.constexpr, HAS_SSMAX: tl.constexpr, BEFORE: tl.constexpr,
-          PRECISION: tl.constexpr):
-    """Masked logits of query rows offs_m against keys offs_n, as the reference's _block_logits.
+def tile(
+    q,
+    k,
+    offs_m,
+    offs_n,
+    lo_m,
+    n,
+    alpha,
+    beta,
+    mu,
+    s,
+    scale,
+    HAS_PRIOR: tl.constexpr,
+    HAS_SSMAX: tl.constexpr,
+    BEFORE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Masked logits of query rows offs_m against keys offs_n, as the reference's block_logits.
 
     Returns (logits, qk, prior, log_a, live, d, log_n); logits are -inf where not allowed. The prior
     terms are placeholders (qk) without a prior, log_n one without SSMax: the caller's constexpr
@@ -93,7 +110,7 @@ def _tile(q, k, offs_m, offs_n, lo_m, n, alpha, beta, mu, s, scale,
     d = qk
     live = qk == qk
     if HAS_PRIOR:
-        # Same arithmetic as kernels/bam_attention.py::_prior, in log space so nothing overflows.
+        # Same arithmetic as kernels/bam_attention.py::prior_terms, in log space so nothing overflows.
         d = (offs_n[None, :] - offs_m[:, None]).to(tl.float32) - mu
         log_a = tl.log(tl.abs(d) + EPS_C)
         expo = alpha + beta * log_a
@@ -108,21 +125,51 @@ def _tile(q, k, offs_m, offs_n, lo_m, n, alpha, beta, mu, s, scale,
             logits = qk * c + prior
         else:
             logits = logits * c
-    allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= lo_m[:, None])
-               & (offs_m[:, None] < n))
+    allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= lo_m[:, None]) & (offs_m[:, None] < n)
     logits = tl.where(allowed, logits, float("-inf"))
     return logits, qk, prior, log_a, live, d, log_n
 
 
-@triton.autotune(configs=_configs([(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2)]),
-                 key=_TUNE_KEY)
+@triton.autotune(configs=_configs([(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2)]), key=_TUNE_KEY)
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, LO, ALPHA, BETA, MU, S,
-                sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, slob,
-                H, GROUP, N, D, scale,
-                HAS_PRIOR: tl.constexpr, HAS_SSMAX: tl.constexpr, BEFORE: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    LO,
+    ALPHA,
+    BETA,
+    MU,
+    S,
+    sqb,
+    sqh,
+    sqn,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    slob,
+    H,
+    GROUP,
+    N,
+    D,
+    scale,
+    HAS_PRIOR: tl.constexpr,
+    HAS_SSMAX: tl.constexpr,
+    BEFORE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Output rows and row log-sum-exp of one query block of one (batch, query head)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # base offsets b·stride, bh·N·D can pass 2^31
@@ -146,8 +193,9 @@ def _fwd_kernel(Q, K, V, O, LSE, LO, ALPHA, BETA, MU, S,
         offs_n = k_start + tl.arange(0, BLOCK_N)
         k = _load_rows(K + b * skb + hk * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
         v = _load_rows(V + b * svb + hk * svh, offs_n, offs_d, svn, svd, N, D, UPCAST)
-        logits = _tile(q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale,
-                       HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION)[0]
+        logits = tile(
+            q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION
+        )[0]
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         # A row may have no allowed key in this tile yet (document or window start further on):
         # subtract 0 then, so exp() gives 0 rather than NaN.
@@ -166,15 +214,54 @@ def _fwd_kernel(Q, K, V, O, LSE, LO, ALPHA, BETA, MU, S,
 
 
 # GROUP in the key: with grouped-query attention the dk/dv grid has GROUP times fewer, longer programs.
-@triton.autotune(configs=_configs([(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 2)]),
-                 key=_TUNE_KEY + ["GROUP"])
+@triton.autotune(configs=_configs([(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 2)]), key=_TUNE_KEY + ["GROUP"])
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, LAST, DK, DV, ALPHA, BETA, MU, S,
-                     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                     sdb, sdh, sdn, sdd, slob, H, GROUP, N, D, scale,
-                     HAS_PRIOR: tl.constexpr, HAS_SSMAX: tl.constexpr, BEFORE: tl.constexpr,
-                     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    LO,
+    LAST,
+    DK,
+    DV,
+    ALPHA,
+    BETA,
+    MU,
+    S,
+    sqb,
+    sqh,
+    sqn,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    sdb,
+    sdh,
+    sdn,
+    sdd,
+    slob,
+    H,
+    GROUP,
+    N,
+    D,
+    scale,
+    HAS_PRIOR: tl.constexpr,
+    HAS_SSMAX: tl.constexpr,
+    BEFORE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """dk, dv of one key block of one (batch, key/value head), looping over the GROUP query heads
     that share the head and, for each, over the query blocks that can see the block."""
     pid_n = tl.program_id(0)
@@ -207,9 +294,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, LAST, DK, DV, ALPHA, BETA, MU,
             do = _load_rows(DO + b * sdb + h * sdh, offs_m, offs_d, sdn, sdd, N, D, UPCAST)
             lse = tl.load(LSE + pid_bh * N + offs_m, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + pid_bh * N + offs_m, mask=row_ok, other=0.0)
-            logits, qk, prior, log_a, live, d, log_n = _tile(
-                q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale,
-                HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION)
+            logits, qk, prior, log_a, live, d, log_n = tile(
+                q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION
+            )
             p = tl.exp(logits - lse[:, None])
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -226,12 +313,52 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, LAST, DK, DV, ALPHA, BETA, MU,
 
 @triton.autotune(configs=_configs([(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2)]), key=_TUNE_KEY)
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, DQ, PARTIAL, ALPHA, BETA, MU, S,
-                   sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                   sdb, sdh, sdn, sdd, slob, H, GROUP, N, D, scale,
-                   HAS_PRIOR: tl.constexpr, HAS_MU: tl.constexpr, HAS_SSMAX: tl.constexpr,
-                   BEFORE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    LO,
+    DQ,
+    PARTIAL,
+    ALPHA,
+    BETA,
+    MU,
+    S,
+    sqb,
+    sqh,
+    sqn,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    sdb,
+    sdh,
+    sdn,
+    sdd,
+    slob,
+    H,
+    GROUP,
+    N,
+    D,
+    scale,
+    HAS_PRIOR: tl.constexpr,
+    HAS_MU: tl.constexpr,
+    HAS_SSMAX: tl.constexpr,
+    BEFORE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """dq of one query block, and its rows' terms of the per-head θα, θβ, θμ, s gradients."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # base offsets b·stride, bh·N·D can pass 2^31
@@ -261,8 +388,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, DQ, PARTIAL, ALPHA, BETA, MU, S,
         offs_n = k_start + tl.arange(0, BLOCK_N)
         k = _load_rows(K + b * skb + hk * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
         v = _load_rows(V + b * svb + hk * svh, offs_n, offs_d, svn, svd, N, D, UPCAST)
-        logits, qk, prior, log_a, live, d, log_n = _tile(
-            q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION)
+        logits, qk, prior, log_a, live, d, log_n = tile(
+            q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION
+        )
         p = tl.exp(logits - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         # Softmax backward with the row term D_i = rowsum(dO⊙O): a key-tiled kernel never holds a
@@ -288,8 +416,11 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, DQ, PARTIAL, ALPHA, BETA, MU, S,
                 sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
                 g_mu -= tl.sum(g * beta * sign / (tl.abs(d) + EPS_C), 1)
 
-    tl.store(DQ + pid_bh * N * D + offs_m[:, None] * D + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(
+        DQ + pid_bh * N * D + offs_m[:, None] * D + offs_d[None, :],
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_d[None, :] < D),
+    )
     part = PARTIAL + (pid_bh * N + offs_m) * 4
     tl.store(part + 0, g_alpha, mask=row_ok)
     tl.store(part + 1, g_beta, mask=row_ok)
@@ -315,27 +446,64 @@ def _launch_args(q, k, lo, heads):
     """Arguments shared by the three kernels' launches (shapes, feature flags, dot precision)."""
     B, H, N, D = q.shape
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: no TF32 rounding
-    return dict(H=H, GROUP=H // k.shape[1], N=N, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                UPCAST=INTERPRET, PRECISION=precision, HAS_PRIOR=heads[0] is not None,
-                HAS_SSMAX=heads[3] is not None,
-                slob=lo.stride(0) if lo.shape[0] > 1 else 0)
+    return dict(
+        H=H,
+        GROUP=H // k.shape[1],
+        N=N,
+        D=D,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        UPCAST=INTERPRET,
+        PRECISION=precision,
+        HAS_PRIOR=heads[0] is not None,
+        HAS_SSMAX=heads[3] is not None,
+        slob=lo.stride(0) if lo.shape[0] > 1 else 0,
+    )
 
 
-def forward(q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior: bool, scale: float,
-            out: Tensor, lse: Tensor) -> None:
+def forward(q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior: bool, scale: float, out: Tensor, lse: Tensor) -> None:
     """Fill out (B, H, N, BLOCK_D) fp32 and lse (B, H, N) fp32; lo (B or 1, N) int32 key starts.
     k, v may have H_kv | H heads (query head h reads head h // (H // H_kv))."""
     B, H, N, _ = q.shape
     heads = [alpha, beta, mu, s]
     args = _launch_args(q, k, lo, heads)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _fwd_kernel[grid](q, k, v, out, lse, lo, *_head_params(*heads, like=lse),
-                      *_strides(q), *_strides(k), *_strides(v), scale=scale,
-                      BEFORE=ssmax_before_prior, **args)
+    fwd_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        lo,
+        *_head_params(*heads, like=lse),
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        scale=scale,
+        BEFORE=ssmax_before_prior,
+        **args,
+    )
 
 
-def backward(q, k, v, out, dout, lse, lo, last, alpha, beta, mu, s, ssmax_before_prior: bool,
-             scale: float, dq: Tensor, dk: Tensor, dv: Tensor, mu_grad: bool = True) -> Tensor:
+def backward(
+    q,
+    k,
+    v,
+    out,
+    dout,
+    lse,
+    lo,
+    last,
+    alpha,
+    beta,
+    mu,
+    s,
+    ssmax_before_prior: bool,
+    scale: float,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    mu_grad: bool = True,
+) -> Tensor:
     """Fill dq (B, H, N, D) and dk, dv (B, H_kv, N, D), contiguous (dk, dv summed over each group's
     query heads); return (H, 4) fp32 gradients of θα, θβ, μ, s (μ's is 0 unless mu_grad: the
     per-element work is skipped when θμ is frozen).
@@ -350,15 +518,29 @@ def backward(q, k, v, out, dout, lse, lo, last, alpha, beta, mu, s, ssmax_before
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     params = _head_params(*heads, like=lse)
     # One program per (key block, batch·kv head), looping over the group's query heads.
-    _bwd_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), B * k.shape[1])](
-        q, k, v, dout, lse, delta, lo, last, dk, dv, *params, *common, scale=scale,
-        BEFORE=ssmax_before_prior, **args)
+    bwd_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), B * k.shape[1])](
+        q, k, v, dout, lse, delta, lo, last, dk, dv, *params, *common, scale=scale, BEFORE=ssmax_before_prior, **args
+    )
     # dL/d(θα, θβ, μ, s) of each row, summed here: every row is written once whatever the tile size
     # (autotuning tries several), and the sum is deterministic unlike atomics.
     partial = torch.empty(B, H, N, 4, dtype=torch.float32, device=q.device)
-    _bwd_dq_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)](
-        q, k, v, dout, lse, delta, lo, dq, partial, *params, *common, scale=scale,
-        HAS_MU=mu is not None and mu_grad, BEFORE=ssmax_before_prior, **args)
+    bwd_dq_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)](
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        lo,
+        dq,
+        partial,
+        *params,
+        *common,
+        scale=scale,
+        HAS_MU=mu is not None and mu_grad,
+        BEFORE=ssmax_before_prior,
+        **args,
+    )
     return partial.sum((0, 2))
 
 
@@ -379,28 +561,61 @@ class _BAMAttentionTriton(torch.autograd.Function):
         q, k, v, out, lse, lo, last, alpha, beta, mu, s = ctx.saved_tensors
         ssmax_before_prior, scale = ctx.cfg
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        heads = backward(q, k, v, out, dout, lse, lo, last, alpha, beta, mu, s, ssmax_before_prior,
-                         scale, dq, dk, dv, mu_grad=ctx.needs_input_grad[5])
+        heads = backward(
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+            lo,
+            last,
+            alpha,
+            beta,
+            mu,
+            s,
+            ssmax_before_prior,
+            scale,
+            dq,
+            dk,
+            dv,
+            mu_grad=ctx.needs_input_grad[5],
+        )
         da, db, dm, ds = heads.unbind(1)
         if mu is not None:
             dm = dm * 2 * torch.cosh(mu.detach().float())
         grads = zip((dq, dk, dv, da, db, dm, ds), (q, k, v, alpha, beta, mu, s))
-        return (*(g.to(t.dtype) if ctx.needs_input_grad[i] else None
-                  for i, (g, t) in enumerate(grads)), None, None, None, None)
+        return (
+            *(g.to(t.dtype) if ctx.needs_input_grad[i] else None for i, (g, t) in enumerate(grads)),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def key_bounds(doc_ids: Optional[Tensor], window: Optional[int], n: int, device) -> tuple[Tensor, Tensor]:
+def key_bounds(doc_ids: Tensor | None, window: int | None, n: int, device) -> tuple[Tensor, Tensor]:
     """(lo, last), (B or 1, N) int32 each: row i sees keys lo[i]..i, key j is seen by rows j..last[j]-1."""
-    lo = _key_start(doc_ids, window, n, device).contiguous()
+    lo = key_start(doc_ids, window, n, device).contiguous()
     last = torch.searchsorted(lo, torch.arange(n, device=device).expand_as(lo).contiguous(), right=True)
     return lo.to(torch.int32), last.to(torch.int32)
 
 
-def bam_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Optional[Tensor] = None,
-                         theta_beta: Optional[Tensor] = None, theta_mu: Optional[Tensor] = None,
-                         ssmax_s: Optional[Tensor] = None, ssmax_before_prior: bool = False,
-                         doc_ids: Optional[Tensor] = None, window: Optional[int] = None,
-                         block_size: int = 128, scale: Optional[float] = None) -> Tensor:
+def bam_attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    theta_alpha: Tensor | None = None,
+    theta_beta: Tensor | None = None,
+    theta_mu: Tensor | None = None,
+    ssmax_s: Tensor | None = None,
+    ssmax_before_prior: bool = False,
+    doc_ids: Tensor | None = None,
+    window: int | None = None,
+    block_size: int = 128,
+    scale: float | None = None,
+) -> Tensor:
     """kernels.bam_attention.bam_attention as fused Triton kernels (same arguments and result).
 
     q: (B, H, N, D), k, v: (B, H_kv, N, D) with H_kv dividing H (grouped-query attention: query head
@@ -410,10 +625,12 @@ def bam_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Option
     """
     check_arguments(q, k, v, theta_alpha, theta_beta, theta_mu, window)
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"the Triton BAM kernel takes fp32, fp16 or bf16 q, k, v of one dtype, got "
-                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"the Triton BAM kernel takes fp32, fp16 or bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     N, D = q.shape[-2:]
     lo, last = key_bounds(doc_ids, window, N, q.device)
-    scale = D ** -0.5 if scale is None else float(scale)
-    return _BAMAttentionTriton.apply(q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo, last,
-                                     ssmax_before_prior, scale)
+    scale = D**-0.5 if scale is None else float(scale)
+    return _BAMAttentionTriton.apply(
+        q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo, last, ssmax_before_prior, scale
+    )

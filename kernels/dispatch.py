@@ -1,19 +1,19 @@
 """The entry points of the ops that have Triton kernels (BAM attention, the chunkwise mLSTM cell): the
 kernel for CUDA tensors, the PyTorch reference for CPU tensors.
 
-The choice can be forced: the config key `model.kernels` (passed here as `kernels`) or the
+The choice can be forced: the config key `model.kernels` (passed here as `backend`) or the
 environment variable MEGABAM_KERNELS, which wins when set so a run can be switched without editing
 its config. Each op's choice is logged once per process (per mode and choice).
 """
+
 import logging
 import os
-from typing import Optional
 
 from torch import Tensor
 
-from kernels.bam_attention import bam_attention
-from kernels.mlstm import MLstmState
-from kernels.mlstm import mlstm_chunkwise as mlstm_chunkwise_reference
+from megabam.kernels.bam_attention import bam_attention
+from megabam.kernels.mlstm import MLstmState
+from megabam.kernels.mlstm import mlstm_chunkwise as mlstm_chunkwise_reference
 
 ENV = "MEGABAM_KERNELS"
 MODES = ("auto", "triton", "reference")
@@ -22,47 +22,81 @@ log = logging.getLogger(__name__)
 _logged: set = set()
 
 
-def choose(kernels: str, tensor: Tensor, op: str = "attention") -> str:
-    """'triton' or 'reference' for a call of `op` on `tensor` under the configured mode `kernels`."""
-    mode = os.environ.get(ENV) or kernels
+def choose(backend: str, tensor: Tensor, op: str = "attention") -> str:
+    """'triton' or 'reference' for a call of `op` on `tensor` under the configured mode `backend`."""
+    mode = os.environ.get(ENV) or backend
     if mode not in MODES:
         source = ENV if os.environ.get(ENV) else "model.kernels"
         raise ValueError(f"{source} must be one of {', '.join(MODES)}, got {mode!r}")
     choice = mode if mode != "auto" else ("triton" if tensor.is_cuda else "reference")
     # Off the GPU a Triton launch only works under the interpreter (tests, debugging).
     if choice == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"Triton kernels on {tensor.device} tensors need TRITON_INTERPRET=1 "
-                           f"(mode {mode!r}); use {ENV}=reference or auto")
+        raise RuntimeError(
+            f"Triton kernels on {tensor.device} tensors need TRITON_INTERPRET=1 "
+            f"(mode {mode!r}); use {ENV}=reference or auto"
+        )
     if (op, mode, choice) not in _logged:
         _logged.add((op, mode, choice))
         log.info("%s op: %s (mode %s, %s tensors)", op, choice, mode, tensor.device.type)
     return choice
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, theta_alpha: Optional[Tensor] = None,
-              theta_beta: Optional[Tensor] = None, theta_mu: Optional[Tensor] = None,
-              ssmax_s: Optional[Tensor] = None, ssmax_before_prior: bool = False,
-              doc_ids: Optional[Tensor] = None, window: Optional[int] = None,
-              block_size: int = 128, scale: Optional[float] = None, kernels: str = "auto") -> Tensor:
-    """BAM attention (arguments and result of kernels.bam_attention.bam_attention) on the op that
-    `choose(kernels, q)` picks."""
-    if choose(kernels, q) == "triton":
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    theta_alpha: Tensor | None = None,
+    theta_beta: Tensor | None = None,
+    theta_mu: Tensor | None = None,
+    ssmax_s: Tensor | None = None,
+    ssmax_before_prior: bool = False,
+    doc_ids: Tensor | None = None,
+    window: int | None = None,
+    block_size: int = 128,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """BAM attention (arguments and result of megabam.kernels.bam_attention.bam_attention) on the op that
+    `choose(backend, q)` picks."""
+    if choose(backend, q) == "triton":
         # Imported on first use: the CPU path never needs Triton, and the interpreter flag is read
         # when the kernel module is imported.
-        from kernels.bam_attention_triton import bam_attention_triton as op
+        from megabam.kernels.bam_attention_triton import bam_attention_triton as op
     else:
         op = bam_attention
-    return op(q, k, v, theta_alpha=theta_alpha, theta_beta=theta_beta, theta_mu=theta_mu,
-              ssmax_s=ssmax_s, ssmax_before_prior=ssmax_before_prior, doc_ids=doc_ids,
-              window=window, block_size=block_size, scale=scale)
+    return op(
+        q,
+        k,
+        v,
+        theta_alpha=theta_alpha,
+        theta_beta=theta_beta,
+        theta_mu=theta_mu,
+        ssmax_s=ssmax_s,
+        ssmax_before_prior=ssmax_before_prior,
+        doc_ids=doc_ids,
+        window=window,
+        block_size=block_size,
+        scale=scale,
+    )
 
 
-def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float, chunk_size: int,
-                    state: Optional[MLstmState] = None, *, kernels: str = "auto") -> tuple[Tensor, MLstmState]:
-    """The chunkwise mLSTM cell (arguments and result of kernels.mlstm.mlstm_chunkwise) on the op that
-    `choose(kernels, q, "mlstm")` picks."""
-    if choose(kernels, q, "mlstm") == "triton":
-        from kernels.mlstm_triton import mlstm_chunkwise_triton as op  # lazily, as for attention
+def mlstm_chunkwise(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    i: Tensor,
+    f: Tensor,
+    eps: float,
+    chunk_size: int,
+    state: MLstmState | None = None,
+    *,
+    backend: str = "auto",
+) -> tuple[Tensor, MLstmState]:
+    """The chunkwise mLSTM cell (arguments and result of megabam.kernels.mlstm.mlstm_chunkwise) on the op that
+    `choose(backend, q, "mlstm")` picks."""
+    if choose(backend, q, "mlstm") == "triton":
+        from megabam.kernels.mlstm_triton import mlstm_chunkwise_triton as op  # lazily, as for attention
     else:
         op = mlstm_chunkwise_reference
     return op(q, k, v, i, f, eps, chunk_size, state)

@@ -1,7 +1,7 @@
 """The mLSTM cell in pure PyTorch, in three equivalent forms: the reference the Triton kernel
 (kernels/mlstm_triton.py) is tested against and the op CPU tensors run (kernels/dispatch.py).
 
-Cell, per head (docs: /work/shared/docs/methods.md §2), with log forget gate lf_t = logσ(f_t):
+Cell, per head (docs/methods.md §3), with log forget gate lf_t = logσ(f_t):
 
     m_t = max(lf_t + m_{t-1}, i_t)                                   m_0 = -inf
     C_t = exp(lf_t + m_{t-1} - m_t)·C_{t-1} + exp(i_t - m_t)·k_t v_tᵀ
@@ -15,10 +15,11 @@ the stabiliser is the row maximum of D. The three forms compute exactly that:
   chunks (training; cost N·chunk_size); takes and returns the state;
 - `mlstm_recurrent` / `mlstm_step`: one step at a time with a constant-size state (inference).
 C and n are kept scaled by exp(-m) (the true sums are exp(m)·C, exp(m)·n) so nothing overflows.
-Tested against a float64 loop over time in tests/test_mlstm.py.
+Tested against a float64 loop over time in tests/unit/test_mlstm.py.
 """
+
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +36,11 @@ class MLstmState(NamedTuple):
 
 def initial_mlstm_state(batch: int, heads: int, qk_dim: int, v_dim: int, dtype, device) -> MLstmState:
     """The empty state: C = 0, n = 0, m = -inf."""
-    return MLstmState(torch.zeros(batch, heads, qk_dim, v_dim, dtype=dtype, device=device),
-                      torch.zeros(batch, heads, qk_dim, dtype=dtype, device=device),
-                      torch.full((batch, heads), -math.inf, dtype=dtype, device=device))
+    return MLstmState(
+        torch.zeros(batch, heads, qk_dim, v_dim, dtype=dtype, device=device),
+        torch.zeros(batch, heads, qk_dim, dtype=dtype, device=device),
+        torch.full((batch, heads), -math.inf, dtype=dtype, device=device),
+    )
 
 
 def _read(num: Tensor, qn: Tensor, m: Tensor, eps: float) -> Tensor:
@@ -57,15 +60,16 @@ def mlstm_parallel(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: f
     return _read(scores @ v, scores.sum(-1), m, eps)
 
 
-def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float, chunk_size: int,
-                    state: Optional[MLstmState] = None) -> tuple[Tensor, MLstmState]:
+def mlstm_chunkwise(
+    q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float, chunk_size: int, state: MLstmState | None = None
+) -> tuple[Tensor, MLstmState]:
     """Chunks of `chunk_size` steps (the last may be shorter) starting from `state` (None = empty);
     returns (h (B, H, N, d_v), the state after the last step)."""
     B, H, N, dqk = q.shape
     if state is None:
         state = initial_mlstm_state(B, H, dqk, v.shape[-1], q.dtype, q.device)
     C, nrm, m = state
-    q = q * dqk ** -0.5
+    q = q * dqk**-0.5
     lf = F.logsigmoid(f)
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     out = []
@@ -92,8 +96,9 @@ def mlstm_chunkwise(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: 
     return torch.cat(out, dim=-2), MLstmState(C, nrm, m)
 
 
-def mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float,
-               state: MLstmState) -> tuple[Tensor, MLstmState]:
+def mlstm_step(
+    q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float, state: MLstmState
+) -> tuple[Tensor, MLstmState]:
     """One step: q, k (B, H, d_qk), v (B, H, d_v), i, f (B, H); returns (h (B, H, d_v), new state)."""
     C, nrm, m = state
     lf = F.logsigmoid(f)
@@ -105,8 +110,9 @@ def mlstm_step(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float
     return _read((q[..., None, :] @ C).squeeze(-2), (q * nrm).sum(-1), m_new, eps), MLstmState(C, nrm, m_new)
 
 
-def mlstm_recurrent(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float,
-                    state: Optional[MLstmState] = None) -> tuple[Tensor, MLstmState]:
+def mlstm_recurrent(
+    q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float, state: MLstmState | None = None
+) -> tuple[Tensor, MLstmState]:
     """`mlstm_step` over every step of (B, H, N, ·) inputs; returns (h (B, H, N, d_v), final state)."""
     B, H, N, dqk = q.shape
     if state is None:

@@ -1,15 +1,15 @@
 """The chunkwise mLSTM cell (kernels/mlstm.py::mlstm_chunkwise) as Triton kernels, forward and backward.
 
 TFLA-style split, with the reference's stabiliser (m_t, the row maximum of the log weights) exactly:
-- `_fwd_state_kernel`, one program per (batch·head, d_v tile): walks the chunks in order and writes
+- `fwd_state_kernel`, one program per (batch·head, d_v tile): walks the chunks in order and writes
   the state (C, n, m) at every chunk start, the final state last; on this sequential path it forms
   only each chunk's last row of log weights (the new state's keys and stabiliser), not D;
-- `_fwd_chunk_kernel`, one program per (chunk, batch·head, d_v tile): the chunk's scores against its
+- `fwd_chunk_kernel`, one program per (chunk, batch·head, d_v tile): the chunk's scores against its
   own keys (log-gate matrix D_ts = b_t - b_s + i_s, b the chunk-local cumulative log forget gate),
   plus the carried state, stabilised by the row max; writes h and each row's q̃·n and m;
-- `_bwd_state_kernel`, per (batch·head, d_v tile): walks the chunks backwards, writing the gradient
+- `bwd_state_kernel`, per (batch·head, d_v tile): walks the chunks backwards, writing the gradient
   of every chunk-start state (C, n) and the gradient reaching each chunk-start stabiliser m;
-- `_bwd_chunk_kernel`, per (chunk, batch·head): dq, dk, dv and the gradients of i and of b.
+- `bwd_chunk_kernel`, per (chunk, batch·head): dq, dk, dv and the gradients of i and of b.
 The host does the O(N) elementwise parts: log-sigmoid and chunk-local cumsum of f, the row terms of
 the output's denominator, and d(lf) = reverse cumsum of db within chunks, df = d(lf)·σ(-f).
 
@@ -37,9 +37,9 @@ is H·d); the small within-tile offsets (d_qk·d_v) stay int32.
 Every buffer the kernels write is fully written (tested with NaN-filled buffers); reductions are
 per program in a fixed order (deterministic, no atomics).
 """
+
 import math
 import os
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from kernels.mlstm import MLstmState
+from megabam.kernels.mlstm import MLstmState
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -68,8 +68,11 @@ def _load_tile(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols):
     """fp32 (len(rows), len(cols)) tile of a strided matrix; zeros outside. The row index vector is
     widened to int64 before it meets the stride: a (B, N, H, d) view's row stride is H·d, so
     position·stride passes 2^31 on long sequences."""
-    x = tl.load(ptr + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c,
-                mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+    x = tl.load(
+        ptr + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c,
+        mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols),
+        other=0.0,
+    )
     return x.to(tl.float32)
 
 
@@ -115,10 +118,36 @@ def _last_row_stabiliser(valid, b, i, b_last, m_c):
 
 @triton.autotune(configs=_configs([(64, 4, 1), (128, 8, 1)]), key=_TUNE_KEY)
 @triton.jit
-def _fwd_state_kernel(K, V, B_LOG, I, C0, N0, STATE_C, STATE_N, STATE_M,
-                      skb, skh, skn, skd, svb, svh, svn, svd, H, N, DQK, DV, NC,
-                      HAS_STATE: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr):
+def fwd_state_kernel(
+    K,
+    V,
+    B_LOG,
+    I,
+    C0,
+    N0,
+    STATE_C,
+    STATE_N,
+    STATE_M,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    H,
+    N,
+    DQK,
+    DV,
+    NC,
+    HAS_STATE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     """States at every chunk start (index c) and the final state (index NC); STATE_M[:, 0] is given."""
     bh = tl.program_id(0).to(tl.int64)
     pid_v = tl.program_id(1)
@@ -142,7 +171,7 @@ def _fwd_state_kernel(K, V, B_LOG, I, C0, N0, STATE_C, STATE_N, STATE_M,
         tl.store(STATE_C + st * DQK * DV + kv, C, mask=kv_ok)
         tl.store(STATE_N + st * DQK + offs_k, n, mask=n_ok)
         offs, r, valid, b, i, last, b_last = _gates(B_LOG, I, bh, c, N, CHUNK, BLOCK_L)
-        # The last row's stabiliser, as _fwd_chunk_kernel computes it: the new state's scale.
+        # The last row's stabiliser, as fwd_chunk_kernel computes it: the new state's scale.
         col, m_new = _last_row_stabiliser(valid, b, i, b_last, m_c)
         k = _load_tile(K + bb * skb + hh * skh, offs, offs_k, skn, skd, N, DQK) * tl.exp(col - m_new)[:, None]
         v = _load_tile(V + bb * svb + hh * svh, offs, offs_v, svn, svd, N, DV)
@@ -159,11 +188,43 @@ def _fwd_state_kernel(K, V, B_LOG, I, C0, N0, STATE_C, STATE_N, STATE_M,
 
 @triton.autotune(configs=_configs([(64, 4, 2), (128, 8, 2)]), key=_TUNE_KEY)
 @triton.jit
-def _fwd_chunk_kernel(Q, K, V, B_LOG, I, STATE_C, STATE_N, STATE_M, H_OUT, QN, M_ROW,
-                      sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                      H, N, DQK, DV, NC, scale, eps,
-                      PRECISION: tl.constexpr, CHUNK: tl.constexpr, BLOCK_L: tl.constexpr,
-                      BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr):
+def fwd_chunk_kernel(
+    Q,
+    K,
+    V,
+    B_LOG,
+    I,
+    STATE_C,
+    STATE_N,
+    STATE_M,
+    H_OUT,
+    QN,
+    M_ROW,
+    sqb,
+    sqh,
+    sqn,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    H,
+    N,
+    DQK,
+    DV,
+    NC,
+    scale,
+    eps,
+    PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     """h of one chunk's rows (one d_v tile), and the rows' q̃·n and m (same in every tile)."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -185,8 +246,7 @@ def _fwd_chunk_kernel(Q, K, V, B_LOG, I, STATE_C, STATE_N, STATE_M, H_OUT, QN, M
     num = tl.dot(S, v, input_precision=PRECISION) + carry[:, None] * tl.dot(q, C, input_precision=PRECISION)
     qn = tl.sum(S, 1) + carry * tl.sum(q * n[None, :], 1)
     h = num / (tl.maximum(tl.abs(qn), tl.exp(-m_row)) + eps)[:, None]
-    tl.store(H_OUT + (bh * N + offs[:, None]) * DV + offs_v[None, :], h,
-             mask=valid[:, None] & (offs_v[None, :] < DV))
+    tl.store(H_OUT + (bh * N + offs[:, None]) * DV + offs_v[None, :], h, mask=valid[:, None] & (offs_v[None, :] < DV))
     rows_first = offs < tl.where(pid_v == 0, tl.minimum(N, (c + 1) * CHUNK), 0)  # valid rows, first tile
     tl.store(QN + bh * N + offs, qn, mask=rows_first)
     tl.store(M_ROW + bh * N + offs, m_row, mask=rows_first)
@@ -200,10 +260,42 @@ def _carried_share(valid, carried, intra):
 
 @triton.autotune(configs=_configs([(64, 4, 1), (128, 8, 1)]), key=_TUNE_KEY)
 @triton.jit
-def _bwd_state_kernel(Q, DH, B_LOG, I, STATE_M, DEN, DQN, G_ROW, DC_N, DN_N, DM_N, GRAD_C, GRAD_N, GRAD_M,
-                      sqb, sqh, sqn, sqd, sdb, sdh, sdn, sdd, H, N, DQK, DV, NC, scale,
-                      HAS_DSTATE: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr):
+def bwd_state_kernel(
+    Q,
+    DH,
+    B_LOG,
+    I,
+    STATE_M,
+    DEN,
+    DQN,
+    G_ROW,
+    DC_N,
+    DN_N,
+    DM_N,
+    GRAD_C,
+    GRAD_N,
+    GRAD_M,
+    sqb,
+    sqh,
+    sqn,
+    sqd,
+    sdb,
+    sdh,
+    sdn,
+    sdd,
+    H,
+    N,
+    DQK,
+    DV,
+    NC,
+    scale,
+    HAS_DSTATE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     """Gradients w.r.t. every chunk-start state (C, n scaled, at fixed stabilisers; index c) and the
     total gradient reaching each chunk-start stabiliser m_c (through the row maxima that the
     carried state won); index NC holds the incoming gradients of the final state."""
@@ -255,12 +347,55 @@ def _bwd_state_kernel(Q, DH, B_LOG, I, STATE_M, DEN, DQN, G_ROW, DC_N, DN_N, DM_
 # live, ~450 registers a thread at 4 warps (spills); 8 warps halve that.
 @triton.autotune(configs=_configs([(32, 8, 1), (64, 8, 1)]), key=_TUNE_KEY)
 @triton.jit
-def _bwd_chunk_kernel(Q, K, V, DH, B_LOG, I, STATE_C, STATE_N, STATE_M, GRAD_C, GRAD_N, GRAD_M,
-                      DEN, DQN, G_ROW, DQ, DK, DV_OUT, DI, DB,
-                      sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
-                      H, N, DQK, DV, NC, scale,
-                      PRECISION: tl.constexpr, CHUNK: tl.constexpr, BLOCK_L: tl.constexpr,
-                      BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr):
+def bwd_chunk_kernel(
+    Q,
+    K,
+    V,
+    DH,
+    B_LOG,
+    I,
+    STATE_C,
+    STATE_N,
+    STATE_M,
+    GRAD_C,
+    GRAD_N,
+    GRAD_M,
+    DEN,
+    DQN,
+    G_ROW,
+    DQ,
+    DK,
+    DV_OUT,
+    DI,
+    DB,
+    sqb,
+    sqh,
+    sqn,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    sdb,
+    sdh,
+    sdn,
+    sdd,
+    H,
+    N,
+    DQK,
+    DV,
+    NC,
+    scale,
+    PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     """dq, dk, dv, di and db (b: the chunk-local cumulative log forget gate) of one chunk's steps.
 
     Terms: the intra-chunk scores (dS, and dD = dS⊙S on the log weights), the carried state's readout
@@ -315,7 +450,7 @@ def _bwd_chunk_kernel(Q, K, V, DH, B_LOG, I, STATE_C, STATE_N, STATE_M, GRAD_C, 
 
     dQK = (dS + dqn[:, None]) * P
     # Stabiliser gradients: every row's own (G_ROW) plus, on the chunk's last row, what reached m_{c+1};
-    # the carried state's share went to m_c in _bwd_state_kernel, the rest is split over the tied maxima.
+    # the carried state's share went to m_c in bwd_state_kernel, the rest is split over the tied maxima.
     g = tl.load(G_ROW + bh * N + offs, mask=valid, other=0.0)
     g += tl.where(r == last, tl.load(GRAD_M + st + 1), 0.0)
     share = _carried_share(valid, carried, intra)
@@ -338,13 +473,17 @@ def _bwd_chunk_kernel(Q, K, V, DH, B_LOG, I, STATE_C, STATE_N, STATE_M, GRAD_C, 
         offs_v = v_start + tl.arange(0, BLOCK_DV)
         dnum = _load_tile(DH + bb * sdb + hh * sdh, offs, offs_v, sdn, sdd, N, DV) / den[:, None]
         G = _load_tile(GRAD_C + (st + 1) * DQK * DV, offs_k, offs_v, DV, 1, DQK, DV)
-        dv = (tl.dot(tl.trans(S), dnum, input_precision=PRECISION)
-              + key_w[:, None] * tl.dot(k, G, input_precision=PRECISION))
-        tl.store(DV_OUT + (bh * N + offs[:, None]) * DV + offs_v[None, :], dv.to(DV_OUT.dtype.element_ty),
-                 mask=valid[:, None] & (offs_v[None, :] < DV))
+        dv = tl.dot(tl.trans(S), dnum, input_precision=PRECISION) + key_w[:, None] * tl.dot(
+            k, G, input_precision=PRECISION
+        )
+        tl.store(
+            DV_OUT + (bh * N + offs[:, None]) * DV + offs_v[None, :],
+            dv.to(DV_OUT.dtype.element_ty),
+            mask=valid[:, None] & (offs_v[None, :] < DV),
+        )
 
 
-def _buffer(*shape, device, dtype=torch.float32) -> Tensor:
+def buffer(*shape, device, dtype=torch.float32) -> Tensor:
     """An uninitialised buffer that a kernel fills completely (tests poison it with NaN)."""
     return torch.empty(*shape, dtype=dtype, device=device)
 
@@ -360,9 +499,17 @@ def _chunk_cumsum(x: Tensor, chunk: int, reverse: bool = False) -> Tensor:
 
 def _meta(q: Tensor, v: Tensor, chunk: int) -> dict:
     B, H, N, DQK = q.shape
-    return dict(H=H, N=N, DQK=DQK, DV=v.shape[-1], NC=triton.cdiv(N, chunk), CHUNK=chunk,
-                BLOCK_L=max(16, triton.next_power_of_2(chunk)), BLOCK_DQK=max(16, triton.next_power_of_2(DQK)),
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 inputs: no TF32 rounding
+    return dict(
+        H=H,
+        N=N,
+        DQK=DQK,
+        DV=v.shape[-1],
+        NC=triton.cdiv(N, chunk),
+        CHUNK=chunk,
+        BLOCK_L=max(16, triton.next_power_of_2(chunk)),
+        BLOCK_DQK=max(16, triton.next_power_of_2(DQK)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fp32 inputs: no TF32 rounding
 
 
 def forward(q, k, v, b, i, C0, n0, m0, eps: float, chunk: int):
@@ -372,16 +519,28 @@ def forward(q, k, v, b, i, C0, n0, m0, eps: float, chunk: int):
     B, H, N, DQK = q.shape
     meta = _meta(q, v, chunk)
     NC, DV, dev = meta["NC"], meta["DV"], q.device
-    state_c, state_n = _buffer(B, H, NC + 1, DQK, DV, device=dev), _buffer(B, H, NC + 1, DQK, device=dev)
-    state_m = _buffer(B, H, NC + 1, device=dev)
+    state_c, state_n = buffer(B, H, NC + 1, DQK, DV, device=dev), buffer(B, H, NC + 1, DQK, device=dev)
+    state_m = buffer(B, H, NC + 1, device=dev)
     state_m[:, :, 0] = m0
     strides = (*q.stride(), *k.stride(), *v.stride())
-    _fwd_state_kernel[lambda a: (B * H, triton.cdiv(DV, a["BLOCK_DV"]))](
-        k, v, b, i, C0 if C0 is not None else m0, n0 if n0 is not None else m0, state_c, state_n, state_m,
-        *strides[4:], HAS_STATE=C0 is not None, **meta)
-    h, qn, m_row = _buffer(B, H, N, DV, device=dev), _buffer(B, H, N, device=dev), _buffer(B, H, N, device=dev)
-    _fwd_chunk_kernel[lambda a: (NC, B * H, triton.cdiv(DV, a["BLOCK_DV"]))](
-        q, k, v, b, i, state_c, state_n, state_m, h, qn, m_row, *strides, scale=DQK ** -0.5, eps=eps, **meta)
+    fwd_state_kernel[lambda a: (B * H, triton.cdiv(DV, a["BLOCK_DV"]))](
+        k,
+        v,
+        b,
+        i,
+        C0 if C0 is not None else m0,
+        n0 if n0 is not None else m0,
+        state_c,
+        state_n,
+        state_m,
+        *strides[4:],
+        HAS_STATE=C0 is not None,
+        **meta,
+    )
+    h, qn, m_row = buffer(B, H, N, DV, device=dev), buffer(B, H, N, device=dev), buffer(B, H, N, device=dev)
+    fwd_chunk_kernel[lambda a: (NC, B * H, triton.cdiv(DV, a["BLOCK_DV"]))](
+        q, k, v, b, i, state_c, state_n, state_m, h, qn, m_row, *strides, scale=DQK**-0.5, eps=eps, **meta
+    )
     return h, (state_c, state_n, state_m), qn, m_row
 
 
@@ -394,18 +553,60 @@ def backward(q, k, v, b, i, states, den, dqn, g_row, dh, dC, dn, dm_final, chunk
     meta = _meta(q, v, chunk)
     NC, DV, dev = meta["NC"], meta["DV"], q.device
     state_c, state_n, state_m = states
-    grad_c, grad_n = _buffer(B, H, NC + 1, DQK, DV, device=dev), _buffer(B, H, NC + 1, DQK, device=dev)
-    grad_m = _buffer(B, H, NC + 1, device=dev)
-    scale = DQK ** -0.5
-    _bwd_state_kernel[lambda a: (B * H, triton.cdiv(DV, a["BLOCK_DV"]))](
-        q, dh, b, i, state_m, den, dqn, g_row, dC if dC is not None else den, dn if dn is not None else den,
-        dm_final, grad_c, grad_n, grad_m, *q.stride(), *dh.stride(), scale=scale, HAS_DSTATE=dC is not None,
-        **meta)
-    dq, dk, dv = (_buffer(*t.shape, device=dev, dtype=t.dtype) for t in (q, k, v))
-    di, db = _buffer(B, H, N, device=dev), _buffer(B, H, N, device=dev)
-    _bwd_chunk_kernel[(NC, B * H)](
-        q, k, v, dh, b, i, state_c, state_n, state_m, grad_c, grad_n, grad_m, den, dqn, g_row,
-        dq, dk, dv, di, db, *q.stride(), *k.stride(), *v.stride(), *dh.stride(), scale=scale, **meta)
+    grad_c, grad_n = buffer(B, H, NC + 1, DQK, DV, device=dev), buffer(B, H, NC + 1, DQK, device=dev)
+    grad_m = buffer(B, H, NC + 1, device=dev)
+    scale = DQK**-0.5
+    bwd_state_kernel[lambda a: (B * H, triton.cdiv(DV, a["BLOCK_DV"]))](
+        q,
+        dh,
+        b,
+        i,
+        state_m,
+        den,
+        dqn,
+        g_row,
+        dC if dC is not None else den,
+        dn if dn is not None else den,
+        dm_final,
+        grad_c,
+        grad_n,
+        grad_m,
+        *q.stride(),
+        *dh.stride(),
+        scale=scale,
+        HAS_DSTATE=dC is not None,
+        **meta,
+    )
+    dq, dk, dv = (buffer(*t.shape, device=dev, dtype=t.dtype) for t in (q, k, v))
+    di, db = buffer(B, H, N, device=dev), buffer(B, H, N, device=dev)
+    bwd_chunk_kernel[(NC, B * H)](
+        q,
+        k,
+        v,
+        dh,
+        b,
+        i,
+        state_c,
+        state_n,
+        state_m,
+        grad_c,
+        grad_n,
+        grad_m,
+        den,
+        dqn,
+        g_row,
+        dq,
+        dk,
+        dv,
+        di,
+        db,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dh.stride(),
+        scale=scale,
+        **meta,
+    )
     return dq, dk, dv, di, db, (grad_c[:, :, 0], grad_n[:, :, 0], grad_m[:, :, 0])
 
 
@@ -417,13 +618,10 @@ class _MLstmChunkwise(torch.autograd.Function):
         i32, f32 = i.detach().float().contiguous(), f.detach().float()
         b = _chunk_cumsum(F.logsigmoid(f32), chunk)
         has_state = C0 is not None
-        C0_, n0_ = ((C0.detach().float().contiguous(), n0.detach().float().contiguous()) if has_state
-                    else (None, None))
-        m0_ = (m0.detach().float() if has_state
-               else torch.full((B, H), -math.inf, device=q.device)).contiguous()
+        C0_, n0_ = (C0.detach().float().contiguous(), n0.detach().float().contiguous()) if has_state else (None, None)
+        m0_ = (m0.detach().float() if has_state else torch.full((B, H), -math.inf, device=q.device)).contiguous()
         h, states, qn, m_row = forward(q, k, v, b, i32, C0_, n0_, m0_, eps, chunk)
-        ctx.save_for_backward(q, k, v, i32, f32, b, h, qn, m_row, *states,
-                              *((C0_, n0_) if has_state else ()))
+        ctx.save_for_backward(q, k, v, i32, f32, b, h, qn, m_row, *states, *((C0_, n0_) if has_state else ()))
         ctx.cfg = (eps, chunk, has_state)
         ctx.dtypes = [t.dtype for t in (q, k, v, i, f)] + [None if t is None else t.dtype for t in (C0, n0, m0)]
         final = tuple(s[:, :, -1].clone() for s in states)
@@ -453,8 +651,9 @@ class _MLstmChunkwise(torch.autograd.Function):
         if dC is not None or dn is not None:  # the kernel takes both or neither
             dC = (torch.zeros_like(state_c[:, :, -1]) if dC is None else dC.float()).contiguous()
             dn = (torch.zeros_like(state_n[:, :, -1]) if dn is None else dn.float()).contiguous()
-        dq, dk, dv, di, db, (gC0, gn0, gm0) = backward(q, k, v, b, i, (state_c, state_n, state_m), den, dqn,
-                                                      g_row, dh, dC, dn, dm_final.contiguous(), chunk)
+        dq, dk, dv, di, db, (gC0, gn0, gm0) = backward(
+            q, k, v, b, i, (state_c, state_n, state_m), den, dqn, g_row, dh, dC, dn, dm_final.contiguous(), chunk
+        )
         df = _chunk_cumsum(db, chunk, reverse=True) * torch.sigmoid(-f)
         grads = [dq, dk, dv, di, df, None, None, None]
         if has_state:
@@ -464,12 +663,19 @@ class _MLstmChunkwise(torch.autograd.Function):
             gm0 = gm0 + (gC0 * C0).sum((-1, -2)) + (gn0 * n0).sum(-1)
             grads[5:] = [gC0, gn0, gm0]
         inputs = ctx.needs_input_grad
-        return (*(g.to(dtype) if g is not None and inputs[n] else None
-                  for n, (g, dtype) in enumerate(zip(grads, ctx.dtypes))), None, None)
+        return (
+            *(
+                g.to(dtype) if g is not None and inputs[n] else None
+                for n, (g, dtype) in enumerate(zip(grads, ctx.dtypes))
+            ),
+            None,
+            None,
+        )
 
 
-def mlstm_chunkwise_triton(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float, chunk_size: int,
-                           state: Optional[MLstmState] = None) -> tuple[Tensor, MLstmState]:
+def mlstm_chunkwise_triton(
+    q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, eps: float, chunk_size: int, state: MLstmState | None = None
+) -> tuple[Tensor, MLstmState]:
     """kernels.mlstm.mlstm_chunkwise as Triton kernels (same arguments and result).
 
     q, k (B, H, N, d_qk) and v (B, H, N, d_v): fp32, fp16 or bf16 of one dtype, any strides; gates
@@ -477,8 +683,10 @@ def mlstm_chunkwise_triton(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor
     fp32; gradients reach every input that requires one, the initial state's included.
     """
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"the Triton mLSTM kernel takes fp32, fp16 or bf16 q, k, v of one dtype, got "
-                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"the Triton mLSTM kernel takes fp32, fp16 or bf16 q, k, v of one dtype, got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
     C0, n0, m0 = state if state is not None else (None, None, None)
     h, C, n, m = _MLstmChunkwise.apply(q, k, v, i, f, C0, n0, m0, eps, chunk_size)
     return h, MLstmState(C, n, m)

@@ -1,32 +1,40 @@
 """The `megabam` command. Subcommands: train, data (later issues add eval, convert, plan)."""
+
 import argparse
 import dataclasses
 import os
 import sys
 import typing
 
+from megabam import exit_codes
 from megabam.config import Config, ConfigError, load_config
 from megabam.data.cli import add_data_parser, run_data
-
-# Exit codes (the launch scripts act on them): 0 done; 2 bad input (config, run directory, data);
-# 3 too many consecutive non-finite steps; 75 preempted by SIGTERM/SIGUSR1 after a checkpoint (requeue).
-EXIT_BAD_INPUT = 2
-EXIT_BAD_STEPS = 3
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megabam", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="pretrain a model from a YAML config",
-                           description="Pretrain a model. Example: megabam train yaml_configs/tiny_cpu.yaml optim.lr=1e-3")
+    train = sub.add_parser(
+        "train",
+        help="pretrain a model from a YAML config",
+        description="Pretrain a model. Example: megabam train yaml_configs/tiny_cpu.yaml optim.lr=1e-3",
+    )
     train.add_argument("config", help="YAML config file (see yaml_configs/)")
     train.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of config values")
-    train.add_argument("--resume", action="store_true",
-                       help="insist on continuing from a checkpoint (a run directory with checkpoints is resumed anyway)")
-    train.add_argument("--fresh", action="store_true",
-                       help="start a new run even if run.output_dir/run.name holds one (in name-2, name-3, ...)")
-    train.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning, then exit")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="insist on continuing from a checkpoint (a run directory with checkpoints is resumed anyway)",
+    )
+    train.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start a new run even if run.output_dir/run.name holds one (in name-2, name-3, ...)",
+    )
+    train.add_argument(
+        "--help-config", action="store_true", help="list every config key with its default and meaning, then exit"
+    )
     add_data_parser(sub)
 
     args = parser.parse_args(argv)
@@ -34,41 +42,45 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command == "data":
         return run_data(args)
-    return 2
+    return exit_codes.BAD_INPUT
 
 
 def _train(args) -> int:
     if args.help_config:
         print("\n".join(describe_config(Config)))
-        return 0
+        return exit_codes.OK
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"megabam: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return exit_codes.BAD_INPUT
     # Importing DeepSpeed and the trainer costs seconds; only after the config is known to be good.
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from megabam.data.errors import DataError
-    from megabam.train.preemption import EXIT_PREEMPTED, Preempted
+    from megabam.train.checkpoint import CheckpointError
+    from megabam.train.preemption import Preempted
     from megabam.train.trainer import RunDirError, TooManyBadSteps, train
 
     try:
         summary = train(cfg, fresh=args.fresh, resume=args.resume)
-    except (RunDirError, ConfigError, DataError) as e:  # DataError: a bad sample met while streaming
+    except (RunDirError, ConfigError, DataError, CheckpointError) as e:  # DataError: a bad sample met while streaming
         print(f"megabam: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return exit_codes.BAD_INPUT
     except TooManyBadSteps as e:
         print(f"megabam: error: {e}", file=sys.stderr)
-        return EXIT_BAD_STEPS
+        return exit_codes.BAD_STEPS
     except Preempted as e:
-        print(f"megabam: preempted after step {e.args[0]}; checkpoint saved, exit {EXIT_PREEMPTED} (requeue)", file=sys.stderr)
-        return EXIT_PREEMPTED
+        print(
+            f"megabam: preempted after step {e.args[0]}; checkpoint saved, exit {exit_codes.PREEMPTED} (requeue)",
+            file=sys.stderr,
+        )
+        return exit_codes.PREEMPTED
     if int(os.environ.get("RANK", "0")) == 0:
         print("\n".join(["", "== megabam summary =="] + summary.lines()))
-    return 0
+    return exit_codes.OK
 
 
 def describe_config(cls, prefix: str = "") -> list[str]:

@@ -1,4 +1,9 @@
-"""Test-wide environment: CPU DeepSpeed, offline wandb, a per-session data cache, clean /dev/shm."""
+"""Test-wide environment: CPU DeepSpeed, offline wandb, a per-session data cache, clean /dev/shm.
+
+tests/unit: single process, fast (`pytest tests/unit` while developing); tests/e2e: several processes,
+the CLI, kills and resumes; tests/helpers: what both share (not tests).
+"""
+
 import glob
 import os
 
@@ -7,6 +12,17 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture
+def clean_shm():
+    """Streaming keeps per-dataset state in /dev/shm; remove what a test leaves behind."""
+    from megabam.data.streaming_import import import_streaming
+
+    clean = import_streaming().base.util.clean_stale_shared_memory
+    clean()
+    yield
+    clean()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ estimated footprint does not fit in available memory, and reported as OOM if the
 
     .venv/bin/python tools/bench_attention_memory.py --lengths 2048 4096 8192 --heads 4 --dim 64 --block 128
 """
+
 import argparse
 import json
 import math
@@ -27,6 +28,7 @@ DENSE_NN_TENSORS = 12  # rough count of live B·H·N² fp32 tensors in the dense
 def dense_attention(q, k, v, alpha, beta, mu, s, window=None):
     """Materialised N x N float32 BAM attention (prior, then SSMax; causal, optional window)."""
     import torch
+
     n = q.shape[-2]
     i = torch.arange(n)[:, None]
     j = torch.arange(n)[None, :]
@@ -41,14 +43,15 @@ def dense_attention(q, k, v, alpha, beta, mu, s, window=None):
 def run_case(args):
     """Child process: print {"peak_mib", "ms"} for one variant at one N."""
     import torch
+
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from kernels.bam_attention import bam_attention
+    from megabam.kernels.bam_attention import bam_attention
+
     torch.set_num_threads(args.threads)
 
     def inputs(n):
         g = torch.Generator().manual_seed(0)
-        qkv = [torch.randn(args.batch, args.heads, n, args.dim, generator=g, requires_grad=True)
-               for _ in range(3)]
+        qkv = [torch.randn(args.batch, args.heads, n, args.dim, generator=g, requires_grad=True) for _ in range(3)]
         h = args.heads
         theta = [torch.linspace(-3, 0, h), torch.linspace(-0.5, 1.5, h), torch.zeros(h), torch.ones(h)]
         return qkv + [t.requires_grad_() for t in theta], torch.randn(args.batch, h, n, args.dim)
@@ -57,8 +60,15 @@ def run_case(args):
         if args.case == "dense":
             out = dense_attention(*ins, window=args.window)
         else:
-            out = bam_attention(*ins[:3], theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5],
-                                ssmax_s=ins[6], window=args.window, block_size=args.block)
+            out = bam_attention(
+                *ins[:3],
+                theta_alpha=ins[3],
+                theta_beta=ins[4],
+                theta_mu=ins[5],
+                ssmax_s=ins[6],
+                window=args.window,
+                block_size=args.block,
+            )
         torch.autograd.grad(out, ins, dout)
 
     step(*inputs(2 * args.block))  # warm-up, so one-time initialisation lands in the baseline
@@ -100,16 +110,19 @@ def main():
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--window", type=int, default=None, help="sliding window (both variants)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads; 1 keeps timings stable on a shared machine")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads; 1 keeps timings stable on a shared machine"
+    )
     ap.add_argument("--case", choices=["tiled", "dense"], help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
         return run_case(args)
 
-    print(f"B={args.batch} H={args.heads} D={args.dim} block={args.block} window={args.window} "
-          f"threads={args.threads}, fp32, GGD prior + SSMax, forward+backward")
+    print(
+        f"B={args.batch} H={args.heads} D={args.dim} block={args.block} window={args.window} "
+        f"threads={args.threads}, fp32, GGD prior + SSMax, forward+backward"
+    )
     print(f"{'N':>7} {'tiled MiB':>10} {'dense MiB':>10} {'ratio':>7} {'tiled ms':>9} {'dense ms':>9}")
     for n in args.lengths:
         tiled = measure("tiled", n, args)

@@ -54,8 +54,9 @@ def reference_loop(corpus: Path, tokenizer_path: Path, seq_len: int, out: Path) 
 def loader_rate(data_dir: Path, workers: int, n_samples: int) -> float:
     """Samples per second over one shuffled epoch, micro-batch 1."""
     import_streaming().base.util.clean_stale_shared_memory()
-    loader = build_loader(data_dir, micro_batch_size=1, shuffle=True, seed=0, num_workers=workers,
-                          prefetch_factor=4 if workers else None)
+    loader = build_loader(
+        data_dir, micro_batch_size=1, shuffle=True, seed=0, num_workers=workers, prefetch_factor=4 if workers else None
+    )
     start = time.perf_counter()
     count = sum(batch["input_ids"].shape[0] for batch in loader)
     assert count == n_samples
@@ -88,23 +89,30 @@ def main() -> None:
         tokens, seconds = reference_loop(corpus, tok, args.prepare_seq_len, tmp / "ref")
         rows.append(("reference loop (1 process)", tokens / seconds, seconds))
         for workers in (1, 2):
-            summary = prepare_dataset([str(corpus)], tmp / f"prep{workers}", tok, args.prepare_seq_len,
-                                      workers=workers, val_fraction=0.01)
+            summary = prepare_dataset(
+                [str(corpus)], tmp / f"prep{workers}", tok, args.prepare_seq_len, workers=workers, val_fraction=0.01
+            )
             assert summary.tokens == tokens
             rows.append((f"prepare --workers {workers}", summary.tokens_per_s, summary.seconds))
-        print(f"corpus {size_mb:.1f} MB JSON Lines, {tokens:,} tokens, vocab {args.vocab_size}, "
-              f"samples of {args.prepare_seq_len + 1} tokens, {os.cpu_count()} cores\n")
+        print(
+            f"corpus {size_mb:.1f} MB JSON Lines, {tokens:,} tokens, vocab {args.vocab_size}, "
+            f"samples of {args.prepare_seq_len + 1} tokens, {os.cpu_count()} cores\n"
+        )
         print("| prepare | tokens/s | seconds |\n| --- | ---: | ---: |")
         for name, rate, secs in rows:
             print(f"| {name} | {rate:,.0f} | {secs:.1f} |")
 
         rng = np.random.default_rng(0)
         sample_len = args.seq_len + 1
-        samples = (PackedSample(rng.integers(0, 32000, sample_len, dtype=np.int32), np.array([0], dtype=np.int32))
-                   for _ in range(args.loader_samples))
+        samples = (
+            PackedSample(rng.integers(0, 32000, sample_len, dtype=np.int32), np.array([0], dtype=np.int32))
+            for _ in range(args.loader_samples)
+        )
         write_mds(samples, tmp / "long", size_limit="64mb")
-        print(f"\n| loader ({args.loader_samples} samples of {sample_len} tokens, zstd shards, shuffled) | samples/s |"
-              "\n| --- | ---: |")
+        print(
+            f"\n| loader ({args.loader_samples} samples of {sample_len} tokens, zstd shards, shuffled) | samples/s |"
+            "\n| --- | ---: |"
+        )
         for workers in (0, 2):
             print(f"| num_workers={workers} | {loader_rate(tmp / 'long', workers, args.loader_samples):,.1f} |")
 

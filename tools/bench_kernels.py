@@ -39,6 +39,7 @@ rather than ending the run.
 --dry-run runs the same code path on CPU at tiny shapes (fp32, the Triton interpreter, eager
 FlexAttention) to prove it end to end without a GPU; its timings mean nothing.
 """
+
 import argparse
 import math
 import os
@@ -58,12 +59,28 @@ def parse_args():
     p.add_argument("--heads", type=int, default=HEADS)
     p.add_argument("--dim", type=int, default=DIM)
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per cell (median)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
-                   help="which variants to time (the kernel's full causal run is always timed)")
-    p.add_argument("--gqa", type=int, nargs="*", default=[HEADS, 4], metavar="HEADS",
-                   help="query heads and key/value heads of the GQA rows (none: no GQA rows)")
-    p.add_argument("--mlstm-lengths", type=int, nargs="*", default=[16384],
-                   help="sequence lengths of the mLSTM rows (none: no mLSTM rows)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=VARIANTS,
+        help="which variants to time (the kernel's full causal run is always timed)",
+    )
+    p.add_argument(
+        "--gqa",
+        type=int,
+        nargs="*",
+        default=[HEADS, 4],
+        metavar="HEADS",
+        help="query heads and key/value heads of the GQA rows (none: no GQA rows)",
+    )
+    p.add_argument(
+        "--mlstm-lengths",
+        type=int,
+        nargs="*",
+        default=[16384],
+        help="sequence lengths of the mLSTM rows (none: no mLSTM rows)",
+    )
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     args = p.parse_args()
     args.mlstm_shape = (MLSTM_HEADS, *MLSTM_DIMS, MLSTM_CHUNK)  # heads, d_qk, d_v, chunk
@@ -89,17 +106,21 @@ def mlstm_flops(n: int, shape, backward: bool) -> float:
 class Bench:
     def __init__(self, args):
         import torch
+
         self.torch, self.args, self.start = torch, args, time.perf_counter()
         self.device = "cpu" if args.dry_run else "cuda"
         # The interpreter's bf16 arithmetic is wrong: the dry run uses fp32.
         self.dtype = torch.float32 if args.dry_run else torch.bfloat16
-        from kernels.bam_attention import bam_attention
-        from kernels.bam_attention_triton import bam_attention_triton
+        from megabam.kernels.bam_attention import bam_attention
+        from megabam.kernels.bam_attention_triton import bam_attention_triton
+
         self.reference, self.fused = bam_attention, bam_attention_triton
-        from kernels.mlstm import mlstm_chunkwise
-        from kernels.mlstm_triton import mlstm_chunkwise_triton
+        from megabam.kernels.mlstm import mlstm_chunkwise
+        from megabam.kernels.mlstm_triton import mlstm_chunkwise_triton
+
         self.mlstm_ops = {"triton": mlstm_chunkwise_triton, "ref": mlstm_chunkwise}
         from torch.nn.attention.flex_attention import flex_attention
+
         torch._dynamo.config.cache_size_limit = 64  # one compile per length and pass, not a fallback
         self._flex_fn = flex_attention if args.dry_run else torch.compile(flex_attention, dynamic=False)
         self._flex_cache = {}
@@ -109,24 +130,37 @@ class Bench:
         over heads, all requiring grad."""
         torch = self.torch
         g = torch.Generator(device=self.device).manual_seed(n)
-        qkv = [torch.randn(BATCH, h, n, self.args.dim, generator=g, device=self.device, dtype=self.dtype)
-               for h in (heads, kv_heads or heads, kv_heads or heads)]
-        theta = [torch.linspace(lo, hi, heads, device=self.device)
-                 for lo, hi in ((-3.0, 0.0), (-0.5, 1.5), (-0.3, 0.3), (0.8, 1.2))]
+        qkv = [
+            torch.randn(BATCH, h, n, self.args.dim, generator=g, device=self.device, dtype=self.dtype)
+            for h in (heads, kv_heads or heads, kv_heads or heads)
+        ]
+        theta = [
+            torch.linspace(lo, hi, heads, device=self.device)
+            for lo, hi in ((-3.0, 0.0), (-0.5, 1.5), (-0.3, 0.3), (0.8, 1.2))
+        ]
         return [t.requires_grad_() for t in qkv + theta]
 
     # --- the variants: each maps (inputs, window) to the output --------------------------------
 
     def bam(self, ins, window):
-        return self.fused(*ins[:3], theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5],
-                          ssmax_s=ins[6], window=window)
+        return self.fused(
+            *ins[:3], theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5], ssmax_s=ins[6], window=window
+        )
 
     def ref(self, ins, window):
-        return self.reference(*ins[:3], theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5],
-                              ssmax_s=ins[6], window=window, block_size=128)
+        return self.reference(
+            *ins[:3],
+            theta_alpha=ins[3],
+            theta_beta=ins[4],
+            theta_mu=ins[5],
+            ssmax_s=ins[6],
+            window=window,
+            block_size=128,
+        )
 
     def sdpa(self, ins, window):
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
         assert window is None, "SDPA has no sliding window"
         backends = [SDPBackend.FLASH_ATTENTION] if self.device == "cuda" else [SDPBackend.MATH]
         gqa = {"enable_gqa": True} if ins[1].shape[1] != ins[0].shape[1] else {}
@@ -146,6 +180,7 @@ class Bench:
         """
         torch = self.torch
         from torch.nn.attention.flex_attention import create_block_mask
+
         if self.device == "cpu":  # Flex has no backward on CPU: forward only there
             ins = [t.detach() for t in ins]
         n = ins[0].shape[-2]
@@ -214,8 +249,9 @@ class Bench:
             return ins, ref_ins, kw, torch.randn(ins[0].shape, device=self.device, dtype=self.dtype)
 
         def bam(x, w):
-            return self.fused(*x[:3], theta_alpha=x[3], theta_beta=x[4], theta_mu=x[5], ssmax_s=x[6],
-                              doc_ids=doc, window=w)
+            return self.fused(
+                *x[:3], theta_alpha=x[3], theta_beta=x[4], theta_mu=x[5], ssmax_s=x[6], doc_ids=doc, window=w
+            )
 
         ok = True
         mha = setup(self.args.heads)
@@ -223,8 +259,7 @@ class Bench:
         if "flex" in self.args.variants:
             cases.append(("flex", self.flex, None, None, *mha))
         if self.args.gqa:  # the kernel with k, v shared by groups of query heads
-            cases.append((f"bam gqa {self.args.gqa[0]}/{self.args.gqa[1]}", bam, doc, n // 4,
-                          *setup(*self.args.gqa)))
+            cases.append((f"bam gqa {self.args.gqa[0]}/{self.args.gqa[1]}", bam, doc, n // 4, *setup(*self.args.gqa)))
         for name, fn, doc_ids, window, ins, ref_ins, kw, dout in cases:
             want = self.reference(*ref_ins[:3], **kw, doc_ids=doc_ids, window=window, block_size=128)
             want_grads = torch.autograd.grad(want, ref_ins[:3], dout.float())
@@ -244,9 +279,11 @@ class Bench:
 
     def run(self):
         torch, a = self.torch, self.args
-        print(f"device: {torch.cuda.get_device_name() if self.device == 'cuda' else 'cpu (dry run)'}, "
-              f"torch {torch.__version__}, dtype {str(self.dtype).split('.')[-1]}, "
-              f"B={BATCH} H={a.heads} D={a.dim}")
+        print(
+            f"device: {torch.cuda.get_device_name() if self.device == 'cuda' else 'cpu (dry run)'}, "
+            f"torch {torch.__version__}, dtype {str(self.dtype).split('.')[-1]}, "
+            f"B={BATCH} H={a.heads} D={a.dim}"
+        )
         # `&`, not `and`: both checks run and print whatever the first finds.
         if not (self.check() & (not a.mlstm_lengths or self.check_mlstm())):
             print("correctness check failed: no timings")
@@ -319,8 +356,10 @@ class Bench:
             for label, a, b in zip(["h", "dq", "dk", "dv", "di", "df"], got, want):
                 err = ((a.float() - b).abs().max() / (1 + b.abs().max())).item()
                 ok = ok and err <= tol
-                print(f"check mlstm {str(dtype).split('.')[-1]} {label}: max rel err {err:.2e} "
-                      f"{'ok' if err <= tol else 'FAIL'}")
+                print(
+                    f"check mlstm {str(dtype).split('.')[-1]} {label}: max rel err {err:.2e} "
+                    f"{'ok' if err <= tol else 'FAIL'}"
+                )
         return ok
 
     def run_mlstm(self):
@@ -343,8 +382,10 @@ class Bench:
                         ref_ms[backward] = ms
                     ratio = f"{ref_ms[backward] / ms:.2f}× the ref's speed" if name != "ref" else ""
                     tflops = mlstm_flops(n, a.mlstm_shape, backward) / (ms * 1e9)
-                    print(f"| {n} | {'fwd+bwd' if backward else 'fwd'} | {name} | {str(dtype).split('.')[-1]} | "
-                          f"{ms:.3f} | {tflops:.2f} | {ratio} |")
+                    print(
+                        f"| {n} | {'fwd+bwd' if backward else 'fwd'} | {name} | {str(dtype).split('.')[-1]} | "
+                        f"{ms:.3f} | {tflops:.2f} | {ratio} |"
+                    )
                 del ins
                 if self.device == "cuda":
                     torch.cuda.empty_cache()
@@ -353,8 +394,9 @@ class Bench:
 def print_table(rows, results, longest):
     """One table: time, TFLOP/s and the ratios the issue's targets are stated in."""
     # TFLOP/s count useful work per query head, so the ratio holds for any pair of head counts.
-    mha_tflops = {(n, backward): tflops for n, window, name, backward, _, tflops in rows
-                  if name == "bam" and window is None}
+    mha_tflops = {
+        (n, backward): tflops for n, window, name, backward, _, tflops in rows if name == "bam" and window is None
+    }
     print("\n| N | window | pass | variant | ms | TFLOP/s | ratio |")
     print("| ---: | ---: | --- | --- | ---: | ---: | --- |")
     for n, window, name, backward, ms, tflops in rows:
@@ -364,16 +406,20 @@ def print_table(rows, results, longest):
         elif name.startswith("bam gqa"):  # against the kernel with one kv head per query head
             ratio = f"{tflops / mha_tflops[(n, backward)]:.2f}× the TFLOP/s with all kv heads"
         elif " gqa " in name:  # SDPA with GQA against the kernel with GQA
-            bam_gqa = results[(n, None, "bam" + name[name.index(" gqa"):], backward)]
+            bam_gqa = results[(n, None, "bam" + name[name.index(" gqa") :], backward)]
             ratio = f"bam is {ms / bam_gqa:.2f}× as fast"
         elif name != "bam":
             ratio = f"bam is {ms / full:.2f}× as fast"
         else:
             ratio = ""
-        print(f"| {n} | {window or 'causal'} | {'fwd+bwd' if backward else 'fwd'} | {name} | "
-              f"{ms:.3f} | {tflops:.1f} | {ratio} |")
-    print(f"\nTargets at N={longest}: bam ≥ 0.9× sdpa's speed and ≥ 1.5× flex's; "
-          "window 128 ≥ 20× faster than full causal.")
+        print(
+            f"| {n} | {window or 'causal'} | {'fwd+bwd' if backward else 'fwd'} | {name} | "
+            f"{ms:.3f} | {tflops:.1f} | {ratio} |"
+        )
+    print(
+        f"\nTargets at N={longest}: bam ≥ 0.9× sdpa's speed and ≥ 1.5× flex's; "
+        "window 128 ≥ 20× faster than full causal."
+    )
 
 
 def main():

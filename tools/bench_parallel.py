@@ -45,8 +45,8 @@ stays what it is without pipelining, shared between the stages.
 
 Usage: .venv/bin/python tools/bench_parallel.py [--steps 6]
 """
+
 import argparse
-import socket
 import statistics
 import time
 
@@ -55,18 +55,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megabam.config import load_config
-from megabam.data.layout import ParallelLayout
 from megabam.model import Decoder
+from megabam.parallel.distributed import free_port
+from megabam.parallel.layout import ParallelLayout
 from megabam.parallel.sequence_parallel import apply_sp
 from megabam.parallel.tensor_parallel import apply_tp
 from megabam.parallel.topology import Topology
 
-BASE = ["model.vocab_size=4096", "model.d_model=128", "model.n_layers=4", "model.n_heads=4", "data.seq_len=256",
-        "model.attention.block_size=128"]
+BASE = [
+    "model.vocab_size=4096",
+    "model.d_model=128",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "data.seq_len=256",
+    "model.attention.block_size=128",
+]
 MODELS = {  # tiny_cpu's shape; the SWAX pattern checks that mLSTM layers enter their region once
     "BAM attention": BASE,
-    "SWAX [SM]": BASE + ["model.layer_pattern=[SM]", "model.swa.window=128", "window.windows=[128]",
-                         "window.probabilities=[1.0]"],
+    "SWAX [SM]": BASE
+    + ["model.layer_pattern=[SM]", "model.swa.window=128", "window.windows=[128]", "window.probabilities=[1.0]"],
 }
 BATCH = 8  # global batch in sequences: every TP rank processes all of it
 
@@ -152,6 +159,7 @@ def _count_engine_traffic(counter: dict, tp_group) -> None:
             group = kwargs.get("group")
             counter["tp" if group is not None and group is tp_group else "other"] += size_of(*args, **kwargs)
             return fn(*args, **kwargs)
+
         return wrapped
 
     def tensor_size(tensor, *args, **kwargs):
@@ -159,7 +167,9 @@ def _count_engine_traffic(counter: dict, tp_group) -> None:
 
     dist.all_reduce = counting(dist.all_reduce, tensor_size)
     dist.broadcast = counting(dist.broadcast, tensor_size)
-    dist.all_gather = counting(dist.all_gather, lambda outputs, *a, **k: sum(t.numel() * t.element_size() for t in outputs))
+    dist.all_gather = counting(
+        dist.all_gather, lambda outputs, *a, **k: sum(t.numel() * t.element_size() for t in outputs)
+    )
     dist.all_gather_into_tensor = counting(dist.all_gather_into_tensor, tensor_size)
     send = p2p.send
 
@@ -173,18 +183,27 @@ def _count_engine_traffic(counter: dict, tp_group) -> None:
 def _pipeline_worker(rank: int, world: int, port: int, name: str, tp: int, pp: int, steps: int, results) -> None:
     import os
 
-    from megabam.train.engine import build_engine, build_topology, init_distributed
-    from megabam.train.trainer import _train_step
+    from megabam.parallel.distributed import init_distributed, rank_environment
+    from megabam.parallel.topology import build_topology
+    from megabam.train.engine import build_engine
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    os.environ.update(rank_environment(rank, world, port), DS_ACCELERATOR="cpu")
     init_distributed()
-    config = load_config(None, MODELS[name] + [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.zero_stage=1",
-                                               f"train.micro_batch_size={BATCH // PP_MICRO}",
-                                               f"train.grad_accum={PP_MICRO}", "optim.lr=1e-3"])
-    topology = build_topology(config)
-    trained = build_engine(config, topology)
+    config = load_config(
+        None,
+        MODELS[name]
+        + [
+            f"parallel.tensor={tp}",
+            f"parallel.pipeline={pp}",
+            "parallel.zero_stage=1",
+            f"train.micro_batch_size={BATCH // PP_MICRO}",
+            f"train.grad_accum={PP_MICRO}",
+            "optim.lr=1e-3",
+        ],
+    )
+    topology = build_topology(config.parallel.tensor, config.parallel.pipeline)
+    engine = build_engine(config, topology)
     counter = {"tp": 0, "p2p": 0, "other": 0}
     _count_engine_traffic(counter, topology.tp_group)
     g = torch.Generator().manual_seed(0)
@@ -198,18 +217,12 @@ def _pipeline_worker(rank: int, world: int, port: int, name: str, tp: int, pp: i
         counter.update(tp=0, p2p=0, other=0)
         dist.barrier()
         t0 = time.perf_counter()
-        _train_step(trained, micro, None, poison=False)
+        engine.step(micro, None)
         dist.barrier()
         if step:
             times.append(time.perf_counter() - t0)
     results[name, tp, pp, rank] = (statistics.median(times), dict(counter))
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -220,11 +233,14 @@ def main() -> None:
     runs = [(1, False), (2, False), (2, True)]  # (TP, SP)
     for name in MODELS:
         for tp, sp in runs:
-            mp.start_processes(_worker, args=(tp, _free_port(), name, sp, args.steps, results), nprocs=tp,
-                               start_method="spawn")
+            mp.start_processes(
+                _worker, args=(tp, free_port(), name, sp, args.steps, results), nprocs=tp, start_method="spawn"
+            )
     print(f"{' '.join(BASE)}; global batch {BATCH} sequences, fp32, gloo, AdamW; median of {args.steps} steps")
-    print("| model | TP | SP | PP | step time (s) | payload per rank (MiB) | expected V_TP / V_SP (MiB) | "
-          "ring traffic per rank (MiB) |")
+    print(
+        "| model | TP | SP | PP | step time (s) | payload per rank (MiB) | expected V_TP / V_SP (MiB) | "
+        "ring traffic per rank (MiB) |"
+    )
     print("| --- | ---: | :---: | ---: | ---: | ---: | ---: | ---: |")
     for name, overrides in MODELS.items():
         for tp, sp in runs:
@@ -233,18 +249,29 @@ def main() -> None:
             # A ring all-reduce moves 2·(TP−1)/TP of its payload per rank, an all-gather (TP−1)/TP. This is
             # what gloo runs; NCCL's true reduce-scatter would halve SP's reduce-scatter share.
             ring = (tp - 1) / tp * (2 * reduced + gathered)
-            print(f"| {name} | {tp} | {'on' if sp else 'off'} | 1 | {step_s:.3f} | {(reduced + gathered) / 2**20:.2f} | "
-                  f"{expected / 2**20:.2f} | {ring / 2**20:.2f} |")
+            print(
+                f"| {name} | {tp} | {'on' if sp else 'off'} | 1 | {step_s:.3f} | {(reduced + gathered) / 2**20:.2f} | "
+                f"{expected / 2**20:.2f} | {ring / 2**20:.2f} |"
+            )
 
     layouts = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (TP, PP)
     for name in MODELS:
         for tp, pp in layouts:
-            mp.start_processes(_pipeline_worker, args=(tp * pp, _free_port(), name, tp, pp, args.steps, results),
-                               nprocs=tp * pp, start_method="spawn")
+            mp.start_processes(
+                _pipeline_worker,
+                args=(tp * pp, free_port(), name, tp, pp, args.steps, results),
+                nprocs=tp * pp,
+                start_method="spawn",
+            )
     print()
-    print(f"Through DeepSpeed's engine (ZeRO-1): {PP_MICRO} micro-batches of {BATCH // PP_MICRO} sequences per step; "
-          "TP and other payloads per rank (the largest), p2p summed over the stages of tensor rank 0")
-    print("| model | TP | PP | step time (s) | TP collectives (MiB) | p2p sent (MiB) | expected V_PP (MiB) | other (MiB) |")
+    print(
+        f"Through DeepSpeed's engine (ZeRO-1): {PP_MICRO} micro-batches of {BATCH // PP_MICRO} sequences per step; "
+        "TP and other payloads per rank (the largest), p2p summed over the stages of tensor rank 0"
+    )
+    print(
+        "| model | TP | PP | step time (s) | TP collectives (MiB) | p2p sent (MiB) "
+        "| expected V_PP (MiB) | other (MiB) |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, overrides in MODELS.items():
         for tp, pp in layouts:
@@ -253,8 +280,10 @@ def main() -> None:
             most = {k: max(c[k] for _, c in ranks) / 2**20 for k in ("tp", "other")}
             # both directions of the boundaries: what the stages of tensor rank 0 send
             sent = sum(c["p2p"] for r, (_, c) in enumerate(ranks) if r % tp == 0) / 2**20
-            print(f"| {name} | {tp} | {pp} | {step_s:.3f} | {most['tp']:.2f} | {sent:.2f} | "
-                  f"{expected_pipeline_payload(overrides, tp, pp) / 2**20:.2f} | {most['other']:.2f} |")
+            print(
+                f"| {name} | {tp} | {pp} | {step_s:.3f} | {most['tp']:.2f} | {sent:.2f} | "
+                f"{expected_pipeline_payload(overrides, tp, pp) / 2**20:.2f} | {most['other']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

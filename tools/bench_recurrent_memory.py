@@ -6,6 +6,7 @@ buffer of w keys/values and mLSTM / Gated DeltaNet layers a fixed-size state, so
 memory should stay flat; full attention keeps a growing KV cache (the control).
 Usage: .venv/bin/python tools/bench_recurrent_memory.py [--d-model 512] [--window 2048] [--max 16384]
 """
+
 import argparse
 import json
 import os
@@ -44,8 +45,14 @@ print(json.dumps({"rows": rows, "tokens_per_s": total / (time.perf_counter() - t
 def measure(pattern: str, d: int, window: int, total: int) -> dict:
     # Large blocks mmapped and returned on free: peak RSS follows live memory, not heap fragmentation.
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, "-c", CHILD, pattern, str(d), str(window), str(total)],
-                         capture_output=True, text=True, check=True, cwd=REPO, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, pattern, str(d), str(window), str(total)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        env=env,
+    )
     return json.loads(out.stdout)
 
 
@@ -64,7 +71,10 @@ def main() -> None:
         s_peak, s_state = swax["rows"][n]
         f_peak = full["rows"][n][0]
         print(f"| {int(n):,} | {s_peak:.1f} | {s_state:.1f} | {f_peak:.1f} | {f_peak / s_peak:.2f}x |")
-    print(f"streaming speed: SWAX {swax['tokens_per_s']:,.0f} tokens/s, full attention {full['tokens_per_s']:,.0f} tokens/s")
+    print(
+        f"streaming speed: SWAX {swax['tokens_per_s']:,.0f} tokens/s, "
+        f"full attention {full['tokens_per_s']:,.0f} tokens/s"
+    )
 
 
 if __name__ == "__main__":

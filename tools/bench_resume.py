@@ -6,6 +6,7 @@ Runs `megabam train` as subprocesses in a temporary directory:
   3. a long run, SIGTERM after a few steps → seconds from the signal to the process's exit (75).
 Usage: .venv/bin/python tools/bench_resume.py [--config yaml_configs/tiny_cpu.yaml] [--steps 20]
 """
+
 import argparse
 import json
 import re
@@ -20,8 +21,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def train_cmd(config: str, root: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "megabam.cli", "train", config, f"run.output_dir={root}", "run.name=bench",
-            "logging.progress_bar=false", "eval.passkey_samples=0", "logging.log_every=1", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "megabam.cli",
+        "train",
+        config,
+        f"run.output_dir={root}",
+        "run.name=bench",
+        "logging.progress_bar=false",
+        "eval.passkey_samples=0",
+        "logging.log_every=1",
+        *overrides,
+    ]
 
 
 def main() -> None:
@@ -44,7 +56,9 @@ def main() -> None:
         load_s = float(re.search(r"loaded in ([\d.]+) s", out.stdout + out.stderr).group(1))
 
         long_run = ["train.steps=100000", "checkpoint.every=0", "schedule.warmup_steps=2", "run.name=sigterm"]
-        proc = subprocess.Popen(train_cmd(args.config, root, *long_run), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            train_cmd(args.config, root, *long_run), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         metrics = root / "sigterm" / "metrics.jsonl"
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
             time.sleep(0.05)

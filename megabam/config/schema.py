@@ -1,12 +1,41 @@
 """The typed configuration of a megabam run.
 
 Every field carries its meaning in `doc`; `megabam train --help-config` prints them. The YAML files
-in yaml_configs/ set these fields; `load_config` checks types, unknown keys and cross-field rules.
+in yaml_configs/ set these fields; `load_config` checks types and unknown keys, then each section's
+`check` (rules about its own fields, written beside them) and the cross-section rules of the loader.
+A `check` reports a failure through `require(ok, dotted key, message)`.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
+
+Require = Callable[[bool, str, str], None]
+
+# The layer types a model can mix, one config section each, and the capital that stands for each in
+# a compact pattern (layer_pattern: [SM] = [swa, mlstm]). The model registers a builder per name
+# (megabam/model/registry.py).
+MIXER_LETTERS = {"A": "attention", "S": "swa", "M": "mlstm", "G": "gated_deltanet"}
+MIXER_NAMES = tuple(MIXER_LETTERS.values())
+
+
+def is_compact_pattern(entry: str) -> bool:
+    return entry != "" and all(ch in MIXER_LETTERS for ch in entry)
+
+
+def expand_pattern(layer_pattern: list[str]) -> list[str]:
+    """Mixer names of one period of the pattern; compact entries ("SM") expand to one name per letter."""
+    names: list[str] = []
+    for entry in layer_pattern:
+        names += [MIXER_LETTERS[ch] for ch in entry] if is_compact_pattern(entry) else [entry]
+    return names
+
+
+def at_least_one(require: Require, pairs: list[tuple[str, int]]) -> None:
+    for key, value in pairs:
+        require(value >= 1, key, f"must be at least 1, got {value}")
 
 
 def doc(default, text: str, **kw):
@@ -24,6 +53,13 @@ class RunConfig:
     output_dir: str = doc("runs", "Directory that holds run directories.")
     seed: int = doc(1234, "Seed of model initialisation and data shuffling.")
 
+    def check(self, require: Require, key: str) -> None:
+        require(
+            self.name != "" and "/" not in self.name,
+            f"{key}.name",
+            f"must be a plain directory name, got {self.name!r}",
+        )
+
 
 @dataclass
 class BamConfig:
@@ -37,6 +73,15 @@ class BamConfig:
     shared_across_layers: bool = doc(False, "One set of prior parameters for all layers instead of one per layer.")
     learn_mu: bool = doc(False, "Train θ_μ (the prior's centre μ=2·sinh θ_μ); frozen at μ=0 otherwise.")
 
+    def check(self, require: Require, key: str) -> None:
+        lo_hi = self.beta_range
+        require(
+            len(lo_hi) == 2 and lo_hi[0] <= lo_hi[1], f"{key}.beta_range", f"must be [lowest, highest], got {lo_hi}"
+        )
+        require(
+            0.0 <= self.flat_fraction <= 1.0, f"{key}.flat_fraction", f"must lie in [0, 1], got {self.flat_fraction}"
+        )
+
 
 @dataclass
 class AttentionConfig:
@@ -48,15 +93,16 @@ class AttentionConfig:
     ssmax_before_prior: bool = doc(
         False, "Scale q·k by s_h·log(n_i) before adding the prior (default: scale after adding it)."
     )
-    window: Optional[int] = doc(None, "Sliding window in tokens (the token itself included); null = full causal.")
+    window: int | None = doc(None, "Sliding window in tokens (the token itself included); null = full causal.")
     document_aware: bool = doc(
         True, "Mask attention across packed-document boundaries and count SSMax n_i from the document start."
     )
     rope_theta: float = doc(10000.0, "RoPE base (positional=rope).")
     block_size: int = doc(128, "Query rows per tile of the attention op; memory grows as block_size·N.")
-    kv_heads: Optional[int] = doc(
-        None, "Key/value heads (grouped-query attention): each serves model.n_heads / kv_heads consecutive "
-        "query heads, whose prior and SSMax stay their own; null = model.n_heads."
+    kv_heads: int | None = doc(
+        None,
+        "Key/value heads (grouped-query attention): each serves model.n_heads / kv_heads consecutive "
+        "query heads, whose prior and SSMax stay their own; null = model.n_heads.",
     )
 
 
@@ -77,21 +123,36 @@ class SlidingWindowConfig(AttentionConfig):
 
 @dataclass
 class MLstmConfig:
-    n_heads: Optional[int] = doc(None, "mLSTM heads; null = model.n_heads. Must divide model.d_model / 2.")
+    n_heads: int | None = doc(None, "mLSTM heads; null = model.n_heads. Must divide model.d_model / 2.")
     chunk_size: int = doc(64, "Time steps per chunk of the chunkwise (training) form; cost grows as N·chunk_size.")
     gate_soft_cap: float = doc(15.0, "Input/forget gate pre-activations are soft-capped to cap·tanh(x/cap).")
     eps: float = doc(1e-6, "Added to the denominator max(|q·n|, exp(-m)) of the cell output.")
     igate_bias_init: float = doc(-10.0, "Initial input-gate bias of every head.")
     fgate_bias_init: list[float] = doc(
-        [3.0, 6.0], "[first head, last head] initial forget-gate biases, spread linearly (σ near 1: long memory at init)."
+        [3.0, 6.0],
+        "[first head, last head] initial forget-gate biases, spread linearly (σ near 1: long memory at init).",
     )
+
+    def check(self, require: Require, key: str) -> None:
+        require(self.chunk_size >= 1, f"{key}.chunk_size", f"must be at least 1, got {self.chunk_size}")
+        require(self.gate_soft_cap > 0, f"{key}.gate_soft_cap", f"must be positive, got {self.gate_soft_cap}")
+        require(self.eps >= 0, f"{key}.eps", f"must be non-negative, got {self.eps}")
+        require(
+            len(self.fgate_bias_init) == 2,
+            f"{key}.fgate_bias_init",
+            f"must be [first, last], got {self.fgate_bias_init}",
+        )
 
 
 @dataclass
 class GatedDeltaNetConfig:
-    n_heads: Optional[int] = doc(None, "Gated DeltaNet heads; null = model.n_heads. Must divide model.d_model.")
+    n_heads: int | None = doc(None, "Gated DeltaNet heads; null = model.n_heads. Must divide model.d_model.")
     conv_size: int = doc(4, "Kernel length of the short causal depthwise convolutions on q, k and v.")
     chunk_size: int = doc(64, "Time steps per chunk of the chunkwise (training) form.")
+
+    def check(self, require: Require, key: str) -> None:
+        require(self.conv_size >= 1, f"{key}.conv_size", f"must be at least 1, got {self.conv_size}")
+        require(self.chunk_size >= 1, f"{key}.chunk_size", f"must be at least 1, got {self.chunk_size}")
 
 
 @dataclass
@@ -100,7 +161,7 @@ class ModelConfig:
     d_model: int = doc(128, "Residual stream width.")
     n_layers: int = doc(4, "Number of blocks.")
     n_heads: int = doc(4, "Attention heads per layer; must divide d_model.")
-    ffn_hidden: Optional[int] = doc(None, "SwiGLU hidden width; null = 8/3·d_model rounded up to a multiple of 64.")
+    ffn_hidden: int | None = doc(None, "SwiGLU hidden width; null = 8/3·d_model rounded up to a multiple of 64.")
     layer_pattern: list[str] = doc(
         ["attention"],
         "Mixer of each layer (attention, swa, mlstm, gated_deltanet), repeated cyclically over n_layers (n_layers "
@@ -115,9 +176,92 @@ class ModelConfig:
     gated_deltanet: GatedDeltaNetConfig = doc(GatedDeltaNetConfig, "Gated DeltaNet mixer (`gated_deltanet`) settings.")
     kernels: Literal["auto", "triton", "reference"] = doc(
         "auto",
-        "Attention and chunkwise mLSTM ops: auto = Triton kernels on CUDA tensors, PyTorch references on CPU; triton or reference "
-        "forces one (env MEGABAM_KERNELS overrides; triton on CPU only under TRITON_INTERPRET=1).",
+        "Attention and chunkwise mLSTM ops: auto = Triton kernels on CUDA tensors, PyTorch references on CPU; "
+        "triton or reference forces one (env MEGABAM_KERNELS overrides; triton on CPU only under TRITON_INTERPRET=1).",
     )
+
+    def ffn_hidden_size(self) -> int:
+        """ffn_hidden, or 8/3·d_model (the parameter count of a 4·d GELU MLP) rounded up to a multiple of 64."""
+        return self.ffn_hidden or -(-(8 * self.d_model // 3) // 64) * 64
+
+    def layer_types(self) -> list[str]:
+        """The mixer name of every layer: the expanded pattern repeated over n_layers."""
+        period = expand_pattern(self.layer_pattern)
+        return period * (self.n_layers // len(period))
+
+    def check(self, require: Require, key: str) -> None:
+        """The model's own rules; the mixer sections are checked where the pattern uses them (the
+        attention section always)."""
+        at_least_one(
+            require,
+            [
+                (f"{key}.vocab_size", self.vocab_size),
+                (f"{key}.d_model", self.d_model),
+                (f"{key}.n_layers", self.n_layers),
+                (f"{key}.n_heads", self.n_heads),
+                (f"{key}.attention.block_size", self.attention.block_size),
+            ],
+        )
+        require(
+            self.d_model % self.n_heads == 0,
+            f"{key}.n_heads",
+            f"{self.n_heads} does not divide {key}.d_model={self.d_model}",
+        )
+        head_dim = self.d_model // self.n_heads
+        require(
+            self.attention.positional != "rope" or head_dim % 2 == 0,
+            f"{key}.attention.positional",
+            f"rope needs an even head dimension, got {head_dim}",
+        )
+        for section in ("attention", "swa"):
+            kv = getattr(self, section).kv_heads
+            require(
+                kv is None or (kv >= 1 and self.n_heads % kv == 0),
+                f"{key}.{section}.kv_heads",
+                f"{kv} does not divide {key}.n_heads={self.n_heads}",
+            )
+        require(
+            self.ffn_hidden is None or self.ffn_hidden >= 1,
+            f"{key}.ffn_hidden",
+            f"must be at least 1, got {self.ffn_hidden}",
+        )
+        require(len(self.layer_pattern) >= 1, f"{key}.layer_pattern", "must name at least one mixer")
+        for i, name in enumerate(self.layer_pattern):
+            require(
+                name in MIXER_NAMES or is_compact_pattern(name),
+                f"{key}.layer_pattern[{i}]",
+                f"unknown mixer {name!r} (known: {', '.join(MIXER_NAMES)}, or letters of {''.join(MIXER_LETTERS)})",
+            )
+        period = expand_pattern(self.layer_pattern)
+        require(
+            self.n_layers % len(period) == 0,
+            f"{key}.n_layers",
+            f"{self.n_layers} is not a multiple of the layer_pattern length {len(period)}",
+        )
+        if "swa" in period:
+            require(
+                head_dim % 2 == 0 or self.swa.positional != "rope",
+                f"{key}.swa.positional",
+                f"rope needs an even head dimension, got {head_dim}",
+            )
+            require(self.swa.block_size >= 1, f"{key}.swa.block_size", f"must be at least 1, got {self.swa.block_size}")
+        if "mlstm" in period:
+            heads = self.mlstm.n_heads or self.n_heads
+            require(
+                heads >= 1 and (self.d_model // 2) % heads == 0,
+                f"{key}.mlstm.n_heads",
+                f"{heads} does not divide {key}.d_model / 2 = {self.d_model // 2} (q and k are half width)",
+            )
+            self.mlstm.check(require, f"{key}.mlstm")
+        if "gated_deltanet" in period:
+            heads = self.gated_deltanet.n_heads or self.n_heads
+            require(
+                heads >= 1 and self.d_model % heads == 0,
+                f"{key}.gated_deltanet.n_heads",
+                f"{heads} does not divide {key}.d_model={self.d_model}",
+            )
+            self.gated_deltanet.check(require, f"{key}.gated_deltanet")
+        self.attention.bam.check(require, f"{key}.attention.bam")
 
 
 @dataclass
@@ -129,24 +273,48 @@ class WindowConfig:
         [0.5, 0.5], "Probability of each window, in the order of `windows` (sums to 1); one window with 1.0 = fixed."
     )
     anneal_fraction: float = doc(0.1, "The last this share of the steps uses anneal_window only (no draw).")
-    anneal_window: Optional[int] = doc(None, "Window of the annealing steps; null = the largest of `windows`.")
+    anneal_window: int | None = doc(None, "Window of the annealing steps; null = the largest of `windows`.")
+
+    def check(self, require: Require, key: str) -> None:
+        """Checked when the pattern has sliding-window layers; the bounds by data.seq_len are the loader's."""
+        require(len(self.windows) >= 1, f"{key}.windows", "must list at least one window")
+        require(
+            len(self.probabilities) == len(self.windows),
+            f"{key}.probabilities",
+            f"needs one probability per window ({len(self.windows)}), got {len(self.probabilities)}",
+        )
+        for i, p in enumerate(self.probabilities):
+            require(0.0 <= p <= 1.0, f"{key}.probabilities[{i}]", f"must lie in [0, 1], got {p}")
+        require(
+            abs(sum(self.probabilities) - 1.0) < 1e-6,
+            f"{key}.probabilities",
+            f"must sum to 1, got {sum(self.probabilities)}",
+        )
+        require(
+            0.0 <= self.anneal_fraction <= 1.0,
+            f"{key}.anneal_fraction",
+            f"must lie in [0, 1], got {self.anneal_fraction}",
+        )
 
 
 @dataclass
 class ParallelConfig:
     tensor: int = doc(1, "Tensor-parallel size.")
     pipeline: int = doc(
-        1, "Pipeline-parallel size: DeepSpeed's pipeline engine (1F1B) over train.grad_accum micro-batches "
-        "per step; needs zero_stage 1."
+        1,
+        "Pipeline-parallel size: DeepSpeed's pipeline engine (1F1B) over train.grad_accum micro-batches "
+        "per step; needs zero_stage 1.",
     )
     pipeline_boundaries: list[int] = doc(
-        [], "First layer index of each pipeline stage after the first (pipeline − 1 increasing indices); "
+        [],
+        "First layer index of each pipeline stage after the first (pipeline − 1 increasing indices); "
         "empty = stages balanced by parameter count. The embedding joins the first stage, the final norm and "
-        "head the last."
+        "head the last.",
     )
     sequence_parallel: bool = doc(
-        False, "Megatron sequence parallelism on top of tensor parallelism: norms and residuals hold "
-        "sequence shards (N/tensor tokens per rank); needs tensor > 1 and sequence lengths divisible by tensor."
+        False,
+        "Megatron sequence parallelism on top of tensor parallelism: norms and residuals hold "
+        "sequence shards (N/tensor tokens per rank); needs tensor > 1 and sequence lengths divisible by tensor.",
     )
     zero_stage: int = doc(1, "DeepSpeed ZeRO stage (0, 1, 2) over the data-parallel group.")
     recompute: Literal["none", "selective", "full"] = doc(
@@ -156,33 +324,78 @@ class ParallelConfig:
         ["attention", "swa", "mlstm", "gated_deltanet"], "Mixer types recomputed when recompute=selective."
     )
 
+    def check(self, require: Require, key: str) -> None:
+        at_least_one(require, [(f"{key}.tensor", self.tensor), (f"{key}.pipeline", self.pipeline)])
+        require(self.zero_stage in (0, 1, 2), f"{key}.zero_stage", f"must be 0, 1 or 2, got {self.zero_stage}")
+        require(
+            not self.pipeline_boundaries or self.pipeline > 1,
+            f"{key}.pipeline_boundaries",
+            "given but parallel.pipeline is 1",
+        )
+        for i, name in enumerate(self.recompute_mixers):
+            require(
+                name in MIXER_NAMES,
+                f"{key}.recompute_mixers[{i}]",
+                f"unknown mixer {name!r} (known: {', '.join(MIXER_NAMES)})",
+            )
+
 
 @dataclass
 class StreamConfig:
     path: str = doc("", "A prepared dataset directory (train/, val/), or the local cache of `remote`.")
-    remote: Optional[str] = doc(None, "Where the dataset lives when not local (s3://, gs://, ... or a directory); null = path only.")
-    weight: Optional[float] = doc(None, "Relative share of training samples (set on every stream or on none).")
-    repeat: Optional[float] = doc(None, "Instead of a weight: times each sample is drawn per epoch (fractions subsample).")
+    remote: str | None = doc(
+        None, "Where the dataset lives when not local (s3://, gs://, ... or a directory); null = path only."
+    )
+    weight: float | None = doc(None, "Relative share of training samples (set on every stream or on none).")
+    repeat: float | None = doc(None, "Instead of a weight: times each sample is drawn per epoch (fractions subsample).")
 
 
 @dataclass
 class DataConfig:
     source: Literal["default", "mds"] = doc(
-        "default", "default = Python's stdlib sources + synthetic passkey samples, built offline and cached; "
-        "mds = datasets written by `megabam data prepare` / `synth`, listed in data.streams."
+        "default",
+        "default = Python's stdlib sources + synthetic passkey samples, built offline and cached; "
+        "mds = datasets written by `megabam data prepare` / `synth`, listed in data.streams.",
     )
-    streams: list[StreamConfig] = doc([], "data.source=mds: the prepared datasets to mix (path, remote, weight or repeat).")
-    tokenizer: Optional[str] = doc(None, "data.source=mds: the sentencepiece .model the streams were tokenized with.")
+    streams: list[StreamConfig] = doc(
+        [], "data.source=mds: the prepared datasets to mix (path, remote, weight or repeat)."
+    )
+    tokenizer: str | None = doc(None, "data.source=mds: the sentencepiece .model the streams were tokenized with.")
     verify_hashes: bool = doc(
-        False, "data.source=mds: check every local shard's sha1 before training (reads all data once; "
-        "sizes are always checked, remote shards are hashed by streaming when downloaded)."
+        False,
+        "data.source=mds: check every local shard's sha1 before training (reads all data once; "
+        "sizes are always checked, remote shards are hashed by streaming when downloaded).",
     )
     seq_len: int = doc(256, "Tokens per training sequence.")
     corpus_bytes: int = doc(4_000_000, "Bytes of stdlib source text in the default corpus.")
     passkey_fraction: float = doc(0.25, "Share of training samples that are passkey-retrieval documents.")
     val_fraction: float = doc(0.02, "Share of samples held out for validation.")
-    cache_dir: Optional[str] = doc(None, "Where built datasets are cached; null = $MEGABAM_CACHE or ~/.cache/megabam.")
+    cache_dir: str | None = doc(None, "Where built datasets are cached; null = $MEGABAM_CACHE or ~/.cache/megabam.")
     num_workers: int = doc(0, "DataLoader worker processes.")
+
+    def check(self, require: Require, key: str) -> None:
+        at_least_one(require, [(f"{key}.seq_len", self.seq_len), (f"{key}.corpus_bytes", self.corpus_bytes)])
+        require(
+            0 <= self.passkey_fraction < 1,
+            f"{key}.passkey_fraction",
+            f"must lie in [0, 1), got {self.passkey_fraction}",
+        )
+        require(0 < self.val_fraction < 1, f"{key}.val_fraction", f"must lie in (0, 1), got {self.val_fraction}")
+        require(self.num_workers >= 0, f"{key}.num_workers", f"must be non-negative, got {self.num_workers}")
+        if self.source != "mds":
+            require(not self.streams, f"{key}.streams", "only used with data.source: mds")
+            return
+        # data.source=mds needs streams and a tokenizer; weights positive, on every stream or none.
+        require(len(self.streams) >= 1, f"{key}.streams", "data.source mds needs at least one stream")
+        require(bool(self.tokenizer), f"{key}.tokenizer", "data.source mds needs the tokenizer .model of its streams")
+        weighted = [s.weight is not None for s in self.streams]
+        for i, s in enumerate(self.streams):
+            at = f"{key}.streams[{i}]"
+            require(s.path != "", f"{at}.path", "must name the dataset directory (or local cache)")
+            require(s.weight is None or s.weight > 0, f"{at}.weight", f"must be positive, got {s.weight}")
+            require(s.repeat is None or s.repeat > 0, f"{at}.repeat", f"must be positive, got {s.repeat}")
+            require(s.weight is None or s.repeat is None, at, "give a weight or a repeat, not both")
+            require(weighted[i] or not any(weighted), f"{at}.weight", "set a weight on every stream or on none")
 
 
 @dataclass
@@ -195,15 +408,32 @@ class OptimConfig:
     ssmax_lr_mult: float = doc(1.0, "Learning-rate multiplier of the SSMax s parameters.")
     grad_clip: float = doc(1.0, "Clip the global gradient norm to this value; 0 = off.")
 
+    def check(self, require: Require, key: str) -> None:
+        require(self.lr > 0, f"{key}.lr", f"must be positive, got {self.lr}")
+        require(self.weight_decay >= 0, f"{key}.weight_decay", f"must be non-negative, got {self.weight_decay}")
+        require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"{key}.betas",
+            f"must be two values in [0, 1), got {self.betas}",
+        )
+        require(self.prior_lr_mult >= 0, f"{key}.prior_lr_mult", f"must be non-negative, got {self.prior_lr_mult}")
+        require(self.ssmax_lr_mult >= 0, f"{key}.ssmax_lr_mult", f"must be non-negative, got {self.ssmax_lr_mult}")
+        require(self.grad_clip >= 0, f"{key}.grad_clip", f"must be non-negative, got {self.grad_clip}")
+
 
 @dataclass
 class ScheduleConfig:
     kind: Literal["cosine", "wsd", "constant"] = doc(
-        "cosine", "cosine: warmup then cosine decay; wsd: warmup, stable, then linear decay; constant: warmup then flat."
+        "cosine",
+        "cosine: warmup then cosine decay; wsd: warmup, stable, then linear decay; constant: warmup then flat.",
     )
     warmup_steps: int = doc(20, "Linear warmup steps.")
     min_lr_ratio: float = doc(0.1, "Final learning rate as a fraction of the peak.")
     decay_fraction: float = doc(0.2, "wsd: share of the steps spent decaying at the end.")
+
+    def check(self, require: Require, key: str) -> None:
+        require(0 <= self.min_lr_ratio <= 1, f"{key}.min_lr_ratio", f"must lie in [0, 1], got {self.min_lr_ratio}")
+        require(0 < self.decay_fraction <= 1, f"{key}.decay_fraction", f"must lie in (0, 1], got {self.decay_fraction}")
 
 
 @dataclass
@@ -215,21 +445,48 @@ class TrainConfig:
     eval_every: int = doc(0, "Validation every this many steps (0 = only at the end).")
     eval_batches: int = doc(8, "Validation micro-batches per evaluation.")
     max_bad_steps: int = doc(
-        5, "Stop after this many consecutive steps whose loss or gradient norm is not finite (each is skipped); 0 = never stop."
+        5,
+        "Stop after this many consecutive steps whose loss or gradient norm is not finite (each is skipped); "
+        "0 = never stop.",
     )
-    debug_nan_steps: list[int] = doc([], "Steps whose loss is made NaN on purpose, to exercise the bad-step guard.")
+
+    def check(self, require: Require, key: str) -> None:
+        at_least_one(
+            require,
+            [
+                (f"{key}.steps", self.steps),
+                (f"{key}.micro_batch_size", self.micro_batch_size),
+                (f"{key}.grad_accum", self.grad_accum),
+            ],
+        )
+        require(self.eval_every >= 0, f"{key}.eval_every", f"must be non-negative, got {self.eval_every}")
+        require(self.eval_batches >= 1, f"{key}.eval_batches", f"must be at least 1, got {self.eval_batches}")
+        require(self.max_bad_steps >= 0, f"{key}.max_bad_steps", f"must be non-negative, got {self.max_bad_steps}")
 
 
 @dataclass
 class EvalConfig:
     passkey_samples: int = doc(16, "Passkey prompts scored per length at the end of training (0 = off).")
-    passkey_lengths: list[int] = doc([], "Passkey prompt lengths in tokens; empty = data.seq_len. Longer = extrapolation.")
+    passkey_lengths: list[int] = doc(
+        [], "Passkey prompt lengths in tokens; empty = data.seq_len. Longer = extrapolation."
+    )
+
+    def check(self, require: Require, key: str) -> None:
+        require(
+            self.passkey_samples >= 0, f"{key}.passkey_samples", f"must be non-negative, got {self.passkey_samples}"
+        )
+        for i, n in enumerate(self.passkey_lengths):
+            require(n >= 1, f"{key}.passkey_lengths[{i}]", f"must be at least 1, got {n}")
 
 
 @dataclass
 class CheckpointConfig:
     every: int = doc(100, "Save a checkpoint every this many steps (and always at the end); 0 = only at the end.")
     keep: int = doc(3, "Keep the newest this many checkpoints; older ones are deleted after a save.")
+
+    def check(self, require: Require, key: str) -> None:
+        require(self.keep >= 1, f"{key}.keep", f"must be at least 1, got {self.keep}")
+        require(self.every >= 0, f"{key}.every", f"must be non-negative, got {self.every}")
 
 
 @dataclass
@@ -240,16 +497,26 @@ class LoggingConfig:
         "offline", "wandb mode; offline needs no account; online only when you configure it."
     )
     wandb_project: str = doc("megabam", "wandb project name.")
-    peak_tflops: Optional[float] = doc(
+    peak_tflops: float | None = doc(
         None, "Peak TFLOP/s of one device for the MFU estimate; null = known GPUs only, no MFU elsewhere."
     )
+
+    def check(self, require: Require, key: str) -> None:
+        require(self.log_every >= 1, f"{key}.log_every", f"must be at least 1, got {self.log_every}")
+        require(
+            self.peak_tflops is None or self.peak_tflops > 0,
+            f"{key}.peak_tflops",
+            f"must be positive, got {self.peak_tflops}",
+        )
 
 
 @dataclass
 class Config:
     run: RunConfig = doc(RunConfig, "Run identity.")
     model: ModelConfig = doc(ModelConfig, "Model shape and mixers.")
-    window: WindowConfig = doc(WindowConfig, "Per-step window of the sliding-window attention layers (used when the pattern has `swa`).")
+    window: WindowConfig = doc(
+        WindowConfig, "Per-step window of the sliding-window attention layers (used when the pattern has `swa`)."
+    )
     parallel: ParallelConfig = doc(ParallelConfig, "Parallel layout.")
     data: DataConfig = doc(DataConfig, "Training data.")
     optim: OptimConfig = doc(OptimConfig, "Optimizer.")

@@ -3,68 +3,105 @@
 import argparse
 import sys
 
+from megabam import exit_codes
 from megabam.data.errors import DataError
 
 
 def add_data_parser(sub) -> None:
     """Register the ``data`` command and its subcommands on ``megabam``'s subparsers."""
-    data = sub.add_parser("data", help="tokenizers, MDS shard preparation, inspection, synthetic tasks",
-                          description="Data pipeline: train a tokenizer, prepare MDS shards, inspect them, "
-                                      "write synthetic retrieval tasks.")
+    data = sub.add_parser(
+        "data",
+        help="tokenizers, MDS shard preparation, inspection, synthetic tasks",
+        description="Data pipeline: train a tokenizer, prepare MDS shards, inspect them, "
+        "write synthetic retrieval tasks.",
+    )
     cmds = data.add_subparsers(dest="data_command", required=True)
 
-    tok = cmds.add_parser("tokenizer", help="train a sentencepiece model, or check an existing one",
-                          description="Train a sentencepiece model on text inputs (files, directories, globs, "
-                                      "MDS text shards), or check an existing .model with --load. "
-                                      "Example: megabam data tokenizer corpus/*.jsonl.zst --out tok.model --vocab-size 32000")
-    tok.add_argument("inputs", nargs="*", help="text inputs (.txt/.md/.jsonl, plain, .gz or .zst; directories; globs; MDS dirs)")
+    tok = cmds.add_parser(
+        "tokenizer",
+        help="train a sentencepiece model, or check an existing one",
+        description="Train a sentencepiece model on text inputs (files, directories, globs, "
+        "MDS text shards), or check an existing .model with --load. "
+        "Example: megabam data tokenizer corpus/*.jsonl.zst --out tok.model --vocab-size 32000",
+    )
+    tok.add_argument(
+        "inputs", nargs="*", help="text inputs (.txt/.md/.jsonl, plain, .gz or .zst; directories; globs; MDS dirs)"
+    )
     tok.add_argument("--out", help="where to write the .model (written atomically)")
     tok.add_argument("--load", metavar="MODEL", help="check an existing .model instead of training one")
     tok.add_argument("--vocab-size", type=int, help="pieces in the vocabulary (required to train; checked with --load)")
-    tok.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe", help="sentencepiece algorithm (default bpe)")
+    tok.add_argument(
+        "--model-type", choices=["bpe", "unigram"], default="bpe", help="sentencepiece algorithm (default bpe)"
+    )
     tok.add_argument("--no-byte-fallback", action="store_true", help="map unknown characters to <unk> instead of bytes")
     tok.add_argument("--no-split-digits", action="store_true", help="allow pieces of several digits")
-    tok.add_argument("--special", nargs="*", default=[], metavar="PIECE",
-                     help="user-defined special tokens, never split (ids after pad 0, unk 1, bos 2, eos 3)")
-    tok.add_argument("--max-sentences", type=int, default=0, help="train on a random sample of this many lines (0 = all)")
+    tok.add_argument(
+        "--special",
+        nargs="*",
+        default=[],
+        metavar="PIECE",
+        help="user-defined special tokens, never split (ids after pad 0, unk 1, bos 2, eos 3)",
+    )
+    tok.add_argument(
+        "--max-sentences", type=int, default=0, help="train on a random sample of this many lines (0 = all)"
+    )
     _add_reading_args(tok)
 
-    prep = cmds.add_parser("prepare", help="tokenize text into packed MDS shards (train/val)",
-                           description="Tokenize text inputs with worker processes, pack into seq_len+1-token samples "
-                                       "(document boundaries kept) and write MDS shards with a train/val split. "
-                                       "Example: megabam data prepare web/*.jsonl.gz --out data/web --tokenizer tok.model --seq-len 4096")
-    prep.add_argument("inputs", nargs="+", help="text inputs (.txt/.md/.jsonl, plain, .gz or .zst; directories; globs; MDS dirs)")
+    prep = cmds.add_parser(
+        "prepare",
+        help="tokenize text into packed MDS shards (train/val)",
+        description="Tokenize text inputs with worker processes, pack into seq_len+1-token samples "
+        "(document boundaries kept) and write MDS shards with a train/val split. "
+        "Example: megabam data prepare web/*.jsonl.gz --out data/web --tokenizer tok.model --seq-len 4096",
+    )
+    prep.add_argument(
+        "inputs", nargs="+", help="text inputs (.txt/.md/.jsonl, plain, .gz or .zst; directories; globs; MDS dirs)"
+    )
     prep.add_argument("--out", required=True, help="output directory (appears only when complete)")
     prep.add_argument("--tokenizer", required=True, help="sentencepiece .model")
-    prep.add_argument("--seq-len", type=int, required=True, help="training sequence length; samples hold seq_len+1 tokens")
+    prep.add_argument(
+        "--seq-len", type=int, required=True, help="training sequence length; samples hold seq_len+1 tokens"
+    )
     prep.add_argument("--workers", type=int, default=1, help="tokenizer processes (0 = in the main process; default 1)")
     prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for validation")
     prep.add_argument("--seed", type=int, default=0, help="seed of the train/val assignment")
-    prep.add_argument("--compression", default="zstd", help="shard compression (zstd, zstd:LEVEL, gz, br, snappy, none)")
+    prep.add_argument(
+        "--compression", default="zstd", help="shard compression (zstd, zstd:LEVEL, gz, br, snappy, none)"
+    )
     prep.add_argument("--size-limit", default="64mb", help="shard size limit before compression (e.g. 64mb)")
     prep.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_reading_args(prep)
 
-    ins = cmds.add_parser("inspect", help="verify shards and summarise a prepared dataset",
-                          description="Verify shard sizes and hashes, count shards, samples and tokens, summarise token ids "
-                                      "and decode a few samples. Example: megabam data inspect data/web")
+    ins = cmds.add_parser(
+        "inspect",
+        help="verify shards and summarise a prepared dataset",
+        description="Verify shard sizes and hashes, count shards, samples and tokens, summarise token ids "
+        "and decode a few samples. Example: megabam data inspect data/web",
+    )
     ins.add_argument("path", help="a prepared dataset (train/, val/) or one MDS directory")
-    ins.add_argument("--tokenizer", help="sentencepiece .model for decoding (default: tokenizer.model beside the splits)")
+    ins.add_argument(
+        "--tokenizer", help="sentencepiece .model for decoding (default: tokenizer.model beside the splits)"
+    )
     ins.add_argument("--vocab-size", type=int, help="refuse token ids at or above this size (default: the tokenizer's)")
     ins.add_argument("--samples", type=int, default=2, help="samples to decode per split")
     ins.add_argument("--max-samples", type=int, help="read at most this many samples per split for the statistics")
 
-    syn = cmds.add_parser("synth", help="write passkey / RULER NIAH samples as a prepared dataset",
-                          description="Write synthetic retrieval samples (one whole document per sample) in the layout of "
-                                      "`prepare`, to mix into training. Example: megabam data synth passkey --out data/passkey "
-                                      "--tokenizer tok.model --seq-len 4096 --train 10000 --val 100")
+    syn = cmds.add_parser(
+        "synth",
+        help="write passkey / RULER NIAH samples as a prepared dataset",
+        description="Write synthetic retrieval samples (one whole document per sample) in the layout of "
+        "`prepare`, to mix into training. Example: megabam data synth passkey --out data/passkey "
+        "--tokenizer tok.model --seq-len 4096 --train 10000 --val 100",
+    )
     from megabam.data.synth import KINDS
 
     syn.add_argument("kind", choices=KINDS, help="passkey (the BAM paper's protocol) or a RULER single-needle variant")
     syn.add_argument("--out", required=True, help="output directory (appears only when complete)")
     syn.add_argument("--tokenizer", required=True, help="sentencepiece .model")
-    syn.add_argument("--seq-len", type=int, required=True, help="training sequence length; samples hold seq_len+1 tokens")
+    syn.add_argument(
+        "--seq-len", type=int, required=True, help="training sequence length; samples hold seq_len+1 tokens"
+    )
     syn.add_argument("--train", type=int, required=True, help="training samples")
     syn.add_argument("--val", type=int, default=0, help="validation samples")
     syn.add_argument("--seed", type=int, default=0, help="seed of keys, values and depths")
@@ -74,10 +111,18 @@ def add_data_parser(sub) -> None:
 
 def _add_reading_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--field", default="text", help="JSON Lines / MDS field that holds the text (default text)")
-    parser.add_argument("--text-unit", choices=["file", "line"], default="file",
-                        help="a plain text file is one document (file) or one per line (line)")
-    parser.add_argument("--on-bad-utf8", choices=["fail", "replace"], default="fail",
-                        help="non-UTF-8 bytes: stop with an error (fail) or replace them and count (replace)")
+    parser.add_argument(
+        "--text-unit",
+        choices=["file", "line"],
+        default="file",
+        help="a plain text file is one document (file) or one per line (line)",
+    )
+    parser.add_argument(
+        "--on-bad-utf8",
+        choices=["fail", "replace"],
+        default="fail",
+        help="non-UTF-8 bytes: stop with an error (fail) or replace them and count (replace)",
+    )
 
 
 def run_data(args) -> int:
@@ -86,9 +131,9 @@ def run_data(args) -> int:
         lines = _COMMANDS[args.data_command](args)
     except DataError as e:
         print(f"megabam: error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_INPUT
     print("\n".join(lines))
-    return 0
+    return exit_codes.OK
 
 
 def _tokenizer(args) -> list[str]:
@@ -101,12 +146,25 @@ def _tokenizer(args) -> list[str]:
     if not args.inputs or not args.out or not args.vocab_size:
         raise DataError("training a tokenizer needs inputs, --out and --vocab-size (or check one with --load)")
     stats = SourceStats()
-    docs = read_documents(expand_inputs(args.inputs), text_field=args.field, text_unit=args.text_unit,
-                          on_bad_utf8=args.on_bad_utf8, stats=stats)
+    docs = read_documents(
+        expand_inputs(args.inputs),
+        text_field=args.field,
+        text_unit=args.text_unit,
+        on_bad_utf8=args.on_bad_utf8,
+        stats=stats,
+    )
     try:
-        tok = train_tokenizer(docs, args.out, args.vocab_size, model_type=args.model_type,
-                              split_digits=not args.no_split_digits, byte_fallback=not args.no_byte_fallback,
-                              special_tokens=args.special, max_sentences=args.max_sentences, progress=True)
+        tok = train_tokenizer(
+            docs,
+            args.out,
+            args.vocab_size,
+            model_type=args.model_type,
+            split_digits=not args.no_split_digits,
+            byte_fallback=not args.no_byte_fallback,
+            special_tokens=args.special,
+            max_sentences=args.max_sentences,
+            progress=True,
+        )
     except RuntimeError as e:  # sentencepiece: e.g. too little text for the vocabulary size
         if stats.documents == 0:
             raise DataError(f"inputs {' '.join(args.inputs)} hold no non-empty document") from None
@@ -118,10 +176,20 @@ def _prepare(args) -> list[str]:
     from megabam.data.prepare import prepare_dataset
 
     summary = prepare_dataset(
-        args.inputs, args.out, args.tokenizer, args.seq_len, text_field=args.field, text_unit=args.text_unit,
-        on_bad_utf8=args.on_bad_utf8, workers=args.workers, val_fraction=args.val_fraction, seed=args.seed,
-        compression=None if args.compression == "none" else args.compression, size_limit=args.size_limit,
-        overwrite=args.overwrite, progress=not args.no_progress,
+        args.inputs,
+        args.out,
+        args.tokenizer,
+        args.seq_len,
+        text_field=args.field,
+        text_unit=args.text_unit,
+        on_bad_utf8=args.on_bad_utf8,
+        workers=args.workers,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        compression=None if args.compression == "none" else args.compression,
+        size_limit=args.size_limit,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
     )
     return [f"prepared {args.out}"] + summary.lines()
 
@@ -135,9 +203,21 @@ def _inspect(args) -> list[str]:
 def _synth(args) -> list[str]:
     from megabam.data.synth import write_synthetic_dataset
 
-    counts = write_synthetic_dataset(args.kind, args.out, args.tokenizer, args.seq_len, args.train, args.val,
-                                     seed=args.seed, essay_path=args.essay, overwrite=args.overwrite)
-    return [f"{args.kind}: {counts['train']} train and {counts['val']} val samples of {args.seq_len + 1} tokens in {args.out}"]
+    counts = write_synthetic_dataset(
+        args.kind,
+        args.out,
+        args.tokenizer,
+        args.seq_len,
+        args.train,
+        args.val,
+        seed=args.seed,
+        essay_path=args.essay,
+        overwrite=args.overwrite,
+    )
+    return [
+        f"{args.kind}: {counts['train']} train and {counts['val']} val samples of {args.seq_len + 1} tokens "
+        f"in {args.out}"
+    ]
 
 
 _COMMANDS = {"tokenizer": _tokenizer, "prepare": _prepare, "inspect": _inspect, "synth": _synth}

@@ -7,6 +7,7 @@ written as MDS shards.
 
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -23,6 +24,8 @@ from megabam.data.packing import PackedSample, pack_documents
 from megabam.data.passkey import passkey_training_tokens
 from megabam.data.shards import write_mds
 from megabam.data.tokenizer import train_tokenizer
+
+log = logging.getLogger(__name__)
 
 # Bump when the recipe changes, so caches built by older code are not reused.
 _RECIPE_VERSION = 2
@@ -74,7 +77,7 @@ def build_default_dataset(
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex}"
         try:
-            _build(tmp, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed)
+            write_default_dataset(tmp, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed)
             os.rename(tmp, final)
         except OSError:
             if not final.exists():  # a failure of our own, not a lost race
@@ -84,11 +87,12 @@ def build_default_dataset(
     return DefaultDataset(final / "train", final / "val", final / "tokenizer.model")
 
 
-def _build(out, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed):
+def write_default_dataset(out, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed):
+    """Train the tokenizer and write the train/val shards of the default dataset into `out` (created here)."""
     start = time.perf_counter()
 
     def progress(message):
-        print(f"[default dataset {time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr)
+        log.info(f"[default dataset {time.perf_counter() - start:5.1f}s] {message}")
 
     out.mkdir()
     texts = python_stdlib_documents(corpus_bytes)

@@ -51,8 +51,9 @@ def inspect_dataset(
     return [_inspect_split(d, tokenizer, vocab, n_decoded, max_samples, top) for d in splits]
 
 
-def _inspect_split(mds_dir: Path, tokenizer: Tokenizer | None, vocab: int | None, n_decoded: int,
-                   max_samples: int | None, top: int) -> SplitReport:
+def _inspect_split(
+    mds_dir: Path, tokenizer: Tokenizer | None, vocab: int | None, n_decoded: int, max_samples: int | None, top: int
+) -> SplitReport:
     n_shards = verify_shards(mds_dir)
     n_samples = sum(shard["samples"] for shard in read_index(mds_dir)["shards"])
     counts = np.zeros(vocab or 1, dtype=np.int64)
@@ -76,10 +77,23 @@ def _inspect_split(mds_dir: Path, tokenizer: Tokenizer | None, vocab: int | None
         if tokenizer is not None and i < n_decoded:
             decoded.append(tokenizer.decode(ids.tolist()))
     order = np.argsort(-counts, kind="stable")[:top]
-    top_ids = [(int(t), tokenizer.decode([t]) if tokenizer else None, counts[t] / tokens)
-               for t in order if counts[t] > 0] if tokens else []
-    return SplitReport(mds_dir.name, n_shards, n_samples, tokens, documents, lo or 0, hi or 0,
-                       int((counts > 0).sum()), top_ids, decoded)
+    top_ids = (
+        [(int(t), tokenizer.decode([t]) if tokenizer else None, counts[t] / tokens) for t in order if counts[t] > 0]
+        if tokens
+        else []
+    )
+    return SplitReport(
+        mds_dir.name,
+        n_shards,
+        n_samples,
+        tokens,
+        documents,
+        lo or 0,
+        hi or 0,
+        int((counts > 0).sum()),
+        top_ids,
+        decoded,
+    )
 
 
 def report_lines(reports: list[SplitReport], width: int = 300) -> list[str]:
@@ -92,7 +106,8 @@ def report_lines(reports: list[SplitReport], width: int = 300) -> list[str]:
             f"samples          {r.samples:,}",
             f"tokens read      {r.tokens:,}   documents begun {r.documents:,}",
             f"token ids        {r.min_id} .. {r.max_id}, {r.distinct_ids:,} distinct",
-            "most frequent    " + ", ".join(
+            "most frequent    "
+            + ", ".join(
                 f"{i}{'' if piece is None else '=' + repr(piece)}: {share:.1%}" for i, piece, share in r.top_ids
             ),
         ]

@@ -38,7 +38,7 @@ def build_loader(
     Rank and world size are read by streaming itself from RANK, WORLD_SIZE, LOCAL_RANK and
     LOCAL_WORLD_SIZE (set by torchrun); each data-parallel rank gets its own share of every epoch.
     ``replication=k`` gives k consecutive ranks identical samples: with the project's rank order
-    (megabam/data/layout.py) pass ``ParallelLayout.replication`` (TP · PP). ``num_workers`` > 0
+    (megabam/parallel/layout.py) pass ``ParallelLayout.replication`` (TP · PP). ``num_workers`` > 0
     reads in worker processes, each prefetching ``prefetch_factor`` batches.
 
     Gotchas (docs/platform-notes.md):

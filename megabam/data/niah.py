@@ -1,4 +1,4 @@
-"""RULER-style needle-in-a-haystack samples (docs/methods.md, section 2 "Evaluation").
+"""RULER-style needle-in-a-haystack samples (docs/methods.md §4).
 
 Three variants of RULER's single-needle task:
 - ``single_1``: noise haystack (the passkey filler repeated), a word keyed to a 7-digit number;
@@ -21,13 +21,48 @@ INSTRUCTION = (
     "I will quiz you about the {kind} afterwards."
 )
 NEEDLE = " One of the special magic {kind} for {key} is: {value}."
-QUESTION = " What is the special magic {one} for {key} mentioned in the provided text? The special magic {one} for {key} mentioned in the provided text is"
+QUESTION = (
+    " What is the special magic {one} for {key} mentioned in the provided text?"
+    " The special magic {one} for {key} mentioned in the provided text is"
+)
 ANSWER = " {value}"
 # Keys are word pairs, as in RULER; a short fixed list keeps samples reproducible offline.
-_ADJECTIVES = ("quiet", "amber", "brisk", "hollow", "lucky", "silver", "rapid", "gentle", "frozen", "crimson",
-               "distant", "bitter", "curious", "humble", "wild", "ancient")
-_NOUNS = ("harbor", "lantern", "meadow", "falcon", "compass", "orchard", "glacier", "violin", "canyon", "pebble",
-          "tower", "ribbon", "thicket", "comet", "anchor", "willow")
+_ADJECTIVES = (
+    "quiet",
+    "amber",
+    "brisk",
+    "hollow",
+    "lucky",
+    "silver",
+    "rapid",
+    "gentle",
+    "frozen",
+    "crimson",
+    "distant",
+    "bitter",
+    "curious",
+    "humble",
+    "wild",
+    "ancient",
+)
+_NOUNS = (
+    "harbor",
+    "lantern",
+    "meadow",
+    "falcon",
+    "compass",
+    "orchard",
+    "glacier",
+    "violin",
+    "canyon",
+    "pebble",
+    "tower",
+    "ribbon",
+    "thicket",
+    "comet",
+    "anchor",
+    "willow",
+)
 
 
 @dataclass
@@ -39,8 +74,9 @@ class NeedleSample:
     answer: str
 
 
-def niah_sample(tokenizer: Tokenizer, n_tokens: int, depth: float, variant: str, rng: random.Random,
-                essay: str | None = None) -> NeedleSample:
+def niah_sample(
+    tokenizer: Tokenizer, n_tokens: int, depth: float, variant: str, rng: random.Random, essay: str | None = None
+) -> NeedleSample:
     """A ``variant`` prompt of exactly ``n_tokens`` tokens with the needle at relative ``depth``.
 
     ``essay`` is the haystack text of ``single_2`` (whitespace collapsed, repeated as needed).

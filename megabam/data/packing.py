@@ -18,9 +18,7 @@ class PackedSample:
     doc_starts: np.ndarray
 
 
-def pack_documents(
-    docs: Iterable[list[int]], sample_len: int, eos_id: int
-) -> Iterator[PackedSample]:
+def pack_documents(docs: Iterable[list[int]], sample_len: int, eos_id: int) -> Iterator[PackedSample]:
     """Concatenate documents, each followed by ``eos_id``, and cut into ``sample_len`` samples.
 
     A document crossing a sample border continues at the start of the next sample. The eos

@@ -15,9 +15,7 @@ INSTRUCTION = (
 )
 # Each piece after the instruction begins with a space: the tokenizer adds no dummy prefix, so
 # pieces encoded apart decode, joined, to well-spaced text.
-FILLER = (
-    " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-)
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
 ANSWER = " {key}"

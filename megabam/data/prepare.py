@@ -129,8 +129,14 @@ def prepare_dataset(
             raise DataError(f"no validation sample of {sample_len} tokens came out; raise --val-fraction or add data")
         summary.seconds = time.perf_counter() - start
         shutil.copyfile(tokenizer.path, tmp / "tokenizer.model")
-        meta = {"seq_len": seq_len, "sample_len": sample_len, "vocab_size": tokenizer.vocab_size,
-                "eos_id": tokenizer.eos_id, "inputs": list(inputs), "summary": asdict(summary)}
+        meta = {
+            "seq_len": seq_len,
+            "sample_len": sample_len,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "inputs": list(inputs),
+            "summary": asdict(summary),
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     return summary
 

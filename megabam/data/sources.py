@@ -47,7 +47,8 @@ def expand_inputs(specs: list[str]) -> list[Path]:
                 # MDS directories found inside are inputs of their own (their index.json is no JSON Lines).
                 mds_dirs = {p.parent for p in path.rglob("index.json")}
                 files = sorted(
-                    p for p in path.rglob("*")
+                    p
+                    for p in path.rglob("*")
                     if (p in mds_dirs) or (p.is_file() and _kind(p) is not None and not mds_dirs & set(p.parents))
                 )
                 if not files:
@@ -123,7 +124,9 @@ def _decode(data: bytes, where: str, on_bad_utf8: str, stats: SourceStats) -> st
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         if on_bad_utf8 == "fail":
-            raise DataError(f"{where}: not valid UTF-8 (byte {e.start}); pass --on-bad-utf8 replace to keep it") from None
+            raise DataError(
+                f"{where}: not valid UTF-8 (byte {e.start}); pass --on-bad-utf8 replace to keep it"
+            ) from None
         stats.bad_utf8 += 1
         return data.decode("utf-8", errors="replace")
 

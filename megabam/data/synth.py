@@ -24,7 +24,9 @@ from megabam.data.tokenizer import Tokenizer, load_tokenizer
 KINDS = ("passkey", *(f"niah_{v}" for v in VARIANTS))
 
 
-def synthetic_tokens(kind: str, tokenizer: Tokenizer, n_tokens: int, rng: random.Random, essay: str | None = None) -> list[int]:
+def synthetic_tokens(
+    kind: str, tokenizer: Tokenizer, n_tokens: int, rng: random.Random, essay: str | None = None
+) -> list[int]:
     """One ``kind`` training document of ``n_tokens`` tokens (prompt then answer), random depth and key."""
     if kind == "passkey":
         return passkey_training_tokens(tokenizer, n_tokens, rng)
@@ -39,9 +41,17 @@ def synthetic_tokens(kind: str, tokenizer: Tokenizer, n_tokens: int, rng: random
     return sample.prompt_ids + sample.answer_ids
 
 
-def write_synthetic_dataset(kind: str, out: str | Path, tokenizer_path: str | Path, seq_len: int, n_train: int,
-                            n_val: int, seed: int = 0, essay_path: str | Path | None = None,
-                            overwrite: bool = False) -> dict[str, int]:
+def write_synthetic_dataset(
+    kind: str,
+    out: str | Path,
+    tokenizer_path: str | Path,
+    seq_len: int,
+    n_train: int,
+    n_val: int,
+    seed: int = 0,
+    essay_path: str | Path | None = None,
+    overwrite: bool = False,
+) -> dict[str, int]:
     """Write ``n_train`` + ``n_val`` ``kind`` samples of ``seq_len + 1`` tokens to ``out``; return counts."""
     if kind not in KINDS:
         raise DataError(f"unknown synthetic kind {kind!r} (known: {', '.join(KINDS)})")
@@ -64,7 +74,13 @@ def write_synthetic_dataset(kind: str, out: str | Path, tokenizer_path: str | Pa
                 write_sample(writer, PackedSample(np.array(tokens, dtype=np.int32), np.zeros(1, dtype=np.int32)))
             writer.finish()
         shutil.copyfile(tokenizer.path, tmp / "tokenizer.model")
-        meta = {"seq_len": seq_len, "sample_len": seq_len + 1, "vocab_size": tokenizer.vocab_size,
-                "eos_id": tokenizer.eos_id, "synthetic": kind, "summary": {"samples": {"train": n_train, "val": n_val}}}
+        meta = {
+            "seq_len": seq_len,
+            "sample_len": seq_len + 1,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "synthetic": kind,
+            "summary": {"samples": {"train": n_train, "val": n_val}},
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     return {"train": n_train, "val": n_val}

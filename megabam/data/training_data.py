@@ -1,9 +1,14 @@
 """What the trainer reads: train and validation streams plus the tokenizer, checked against the model."""
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
+
+from megabam.config import Config, ConfigError
+from megabam.data.default_dataset import build_default_dataset
 from megabam.data.errors import DataError
 from megabam.data.mixture import StreamSpec, check_streams
 from megabam.data.shards import verify_shards
@@ -24,8 +29,9 @@ def single_dataset(train_dir: Path, val_dir: Path, tokenizer_path: Path) -> Trai
     return TrainingData([StreamSpec(str(train_dir))], [StreamSpec(str(val_dir))], Path(tokenizer_path))
 
 
-def prepared_mixture(streams, tokenizer_path: str | Path, vocab_size: int, seq_len: int,
-                     verify_hashes: bool = False) -> TrainingData:
+def prepared_mixture(
+    streams, tokenizer_path: str | Path, vocab_size: int, seq_len: int, verify_hashes: bool = False
+) -> TrainingData:
     """Training data from prepared datasets (objects with ``path``, ``remote``, ``weight``, ``repeat``).
 
     Refuses (DataError) a tokenizer whose size is not ``vocab_size``, a local dataset written for
@@ -39,9 +45,14 @@ def prepared_mixture(streams, tokenizer_path: str | Path, vocab_size: int, seq_l
         meta_path = Path(s.path) / "meta.json"
         meta = json.loads(meta_path.read_text()) if s.remote is None and meta_path.exists() else None
         if meta is not None and meta["seq_len"] != seq_len:
-            raise DataError(f"stream {i} ({s.path}) was prepared for seq_len {meta['seq_len']}, data.seq_len is {seq_len}")
+            raise DataError(
+                f"stream {i} ({s.path}) was prepared for seq_len {meta['seq_len']}, data.seq_len is {seq_len}"
+            )
         if meta is not None and meta["vocab_size"] != vocab_size:
-            raise DataError(f"stream {i} ({s.path}) was tokenized with {meta['vocab_size']} pieces, model.vocab_size is {vocab_size}")
+            raise DataError(
+                f"stream {i} ({s.path}) was tokenized with {meta['vocab_size']} pieces, "
+                f"model.vocab_size is {vocab_size}"
+            )
         if s.remote is None:
             if not (Path(s.path) / "train" / "index.json").exists():
                 raise DataError(f"stream {i}: {s.path} is not a prepared dataset (no train/index.json)")
@@ -56,3 +67,37 @@ def prepared_mixture(streams, tokenizer_path: str | Path, vocab_size: int, seq_l
     if not val:
         raise DataError("no stream has validation samples (prepare with --val-fraction > 0, or synth with --val)")
     return TrainingData(train, val, Path(tokenizer_path))
+
+
+def build_training_data(cfg: Config, rank: int) -> TrainingData:
+    """Streams and tokenizer of the run. data.source=default: rank 0 builds (or finds cached) the
+    default dataset, the others then read the cache. data.source=mds: the prepared datasets of
+    data.streams, refused (ConfigError) if the tokenizer or the datasets disagree with the config."""
+    if cfg.data.source == "mds":
+        try:
+            return prepared_mixture(
+                cfg.data.streams,
+                cfg.data.tokenizer,
+                cfg.model.vocab_size,
+                cfg.data.seq_len,
+                verify_hashes=cfg.data.verify_hashes,
+            )
+        except DataError as e:
+            raise ConfigError("<config>", "data", str(e)) from None
+    cache_root = Path(cfg.data.cache_dir or os.environ.get("MEGABAM_CACHE") or "~/.cache/megabam").expanduser()
+
+    def build():
+        return build_default_dataset(
+            cache_root,
+            sample_len=cfg.data.seq_len + 1,
+            vocab_size=cfg.model.vocab_size,
+            corpus_bytes=cfg.data.corpus_bytes,
+            passkey_fraction=cfg.data.passkey_fraction,
+            val_fraction=cfg.data.val_fraction,
+            seed=cfg.run.seed,
+        )
+
+    data = build() if rank == 0 else None
+    dist.barrier()
+    data = data if data is not None else build()
+    return single_dataset(data.train_dir, data.val_dir, data.tokenizer_path)

@@ -4,8 +4,9 @@ A prompt counts as retrieved when the model's argmax reproduces every token of t
 pass over prompt + key scores all key positions at once (teacher forcing): if every argmax matches,
 greedy decoding would have produced exactly the key.
 """
+
 import random
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -14,8 +15,14 @@ from megabam.data.tokenizer import Tokenizer
 
 
 @torch.no_grad()
-def passkey_accuracy(predict: Callable[[torch.Tensor], torch.Tensor], tokenizer: Tokenizer, n_tokens: int,
-                     n_samples: int, seed: int, device) -> float:
+def passkey_accuracy(
+    predict: Callable[[torch.Tensor], torch.Tensor],
+    tokenizer: Tokenizer,
+    n_tokens: int,
+    n_samples: int,
+    seed: int,
+    device,
+) -> float:
     """Share of `n_samples` prompts of `n_tokens` tokens (needle depths spread evenly over 0..1)
     whose key the model reproduces. `predict(ids)` maps token ids (1, n) to the model's most likely
     next token at each position (1, n), e.g. `Decoder.greedy`."""
@@ -28,6 +35,6 @@ def passkey_accuracy(predict: Callable[[torch.Tensor], torch.Tensor], tokenizer:
         ids = torch.tensor([sample.prompt_ids + sample.answer_ids], device=device)
         # All n tokens go in (the last position's prediction goes unused) so that a sequence-parallel
         # model, which needs lengths divisible by its TP size, scores n = data.seq_len as it trains.
-        predicted = predict(ids)[0, -len(sample.answer_ids) - 1:-1]
+        predicted = predict(ids)[0, -len(sample.answer_ids) - 1 : -1]
         hits += int(predicted.tolist() == sample.answer_ids)
     return hits / n_samples

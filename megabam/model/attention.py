@@ -5,27 +5,29 @@ Two mixers share the `Attention` module: full causal attention (`attention`, set
 op itself (kernels/bam_attention.py) tiles over query blocks, evaluates the prior per tile and, with
 a window, touches only the key tiles the window reaches, so no N×N tensor exists and SWA costs N·w.
 """
-import math
+
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from kernels.bam_attention import EPS, EXP_CAP
-from kernels.dispatch import attention
 from megabam.config.schema import AttentionConfig, ModelConfig
+from megabam.kernels.bam_attention import dense_bam_attention
+from megabam.kernels.dispatch import attention
 from megabam.model.positional import AlibiPrior, BamPrior, apply_rope, rope_tables
+from megabam.model.registry import register_mixer
+from megabam.model.sharding import TensorParallelPlan
 
 
 @dataclass
 class SequenceInfo:
     """What every mixer may need to know about the batch besides the activations."""
 
-    doc_ids: Optional[torch.Tensor] = None  # (B, N) document index per position, for document-aware masking
+    doc_ids: torch.Tensor | None = None  # (B, N) document index per position, for document-aware masking
     # Per-call window of the sliding-window (`swa`) layers, set each step from the window sampler;
     # None = their configured model.swa.window. Full attention layers never take it.
-    window: Optional[int] = None
+    window: int | None = None
 
 
 class KVCache(NamedTuple):
@@ -42,7 +44,7 @@ class KVCache(NamedTuple):
     length: int
 
 
-def build_prior(cfg: ModelConfig, a: AttentionConfig, shared: dict, section: str) -> Optional[nn.Module]:
+def build_prior(cfg: ModelConfig, a: AttentionConfig, shared: dict, section: str) -> nn.Module | None:
     """The prior module of one attention layer configured by `a` (the model config's `section`);
     `shared` carries the one instance per section when it is shared across layers."""
     if a.positional == "alibi":
@@ -61,12 +63,12 @@ class Attention(nn.Module):
     """Causal attention configured by one attention section. `sliding` layers (SWA) take the window of
     each call (SequenceInfo.window) and fall back to their configured one; the others use theirs."""
 
-    def __init__(self, cfg: ModelConfig, a: AttentionConfig, prior: Optional[nn.Module], sliding: bool = False):
+    def __init__(self, cfg: ModelConfig, a: AttentionConfig, prior: nn.Module | None, sliding: bool = False):
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.kv_heads = a.kv_heads or cfg.n_heads  # grouped-query attention when fewer than n_heads
+        kv_heads = a.kv_heads or cfg.n_heads  # grouped-query attention when fewer than n_heads
+        self.group = cfg.n_heads // kv_heads  # query heads per key/value head
         self.head_dim = cfg.d_model // cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.kv_heads) * self.head_dim, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * kv_heads) * self.head_dim, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.prior = prior
         self.ssmax_s = nn.Parameter(torch.ones(cfg.n_heads)) if a.ssmax else None
@@ -77,7 +79,27 @@ class Attention(nn.Module):
         self.sliding = sliding
         self.document_aware = a.document_aware
         self.block_size = a.block_size
-        self.kernels = cfg.kernels
+        self.backend = cfg.kernels
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads this module holds (all of them, or this rank's under tensor parallelism)."""
+        return self.qkv.weight.shape[0] // ((self.group + 2) * self.head_dim)
+
+    @property
+    def n_heads(self) -> int:
+        return self.group * self.kv_heads
+
+    def tp_plan(self) -> TensorParallelPlan:
+        """Whole heads per rank: q, k, v of the same heads (each rank's kv heads serve its query
+        heads), their rows of the output projection, and each head's prior θ and SSMax s."""
+        q_rows, kv_rows = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
+        return TensorParallelPlan(
+            column={"qkv": [q_rows, kv_rows, kv_rows]},
+            row=("out",),
+            heads=("ssmax_s", "prior"),
+            head_counts={"attention": self.n_heads, "attention key/value": self.kv_heads},
+        )
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (B, n_heads, N, D) and k, v (B, kv_heads, N, D) from the fused projection [q | k | v]."""
@@ -93,16 +115,22 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         theta_alpha, theta_beta, theta_mu = self.prior() if self.prior is not None else (None, None, None)
         y = attention(
-            q, k, v,
-            theta_alpha=theta_alpha, theta_beta=theta_beta, theta_mu=theta_mu,
-            ssmax_s=self.ssmax_s, ssmax_before_prior=self.ssmax_before_prior,
+            q,
+            k,
+            v,
+            theta_alpha=theta_alpha,
+            theta_beta=theta_beta,
+            theta_mu=theta_mu,
+            ssmax_s=self.ssmax_s,
+            ssmax_before_prior=self.ssmax_before_prior,
             doc_ids=seq.doc_ids if self.document_aware else None,
             window=self.window_of(seq),
-            block_size=self.block_size, kernels=self.kernels,
+            block_size=self.block_size,
+            backend=self.backend,
         )
         return self.out(y.transpose(1, 2).reshape(B, N, -1))
 
-    def stream(self, x: torch.Tensor, cache: Optional[KVCache], seq: SequenceInfo) -> tuple[torch.Tensor, KVCache]:
+    def stream(self, x: torch.Tensor, cache: KVCache | None, seq: SequenceInfo) -> tuple[torch.Tensor, KVCache]:
         """Continue a stream (inference): x (B, C, d) are the next C tokens after those in `cache`
         (None = start). One document per stream; the output equals `forward` on the whole stream.
 
@@ -124,45 +152,34 @@ class Attention(nn.Module):
             cache = KVCache(empty, empty, torch.full((slots,), -1, dtype=torch.long, device=x.device), 0)
         new_pos = torch.arange(start, start + C, device=x.device)
         keys, values = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
-        y = self._attend(q, keys, values, new_pos, torch.cat([cache.positions, new_pos]), window)
+        theta_alpha, theta_beta, theta_mu = self.prior() if self.prior is not None else (None, None, None)
+        y = dense_bam_attention(
+            q,
+            keys,
+            values,
+            new_pos,
+            torch.cat([cache.positions, new_pos]),
+            theta_alpha=theta_alpha,
+            theta_beta=theta_beta,
+            theta_mu=theta_mu,
+            ssmax_s=self.ssmax_s,
+            ssmax_before_prior=self.ssmax_before_prior,
+            window=window,
+        )
         if window is None:
             cache = KVCache(keys, values, torch.cat([cache.positions, new_pos]), start + C)
         else:  # write the last min(C, window) tokens into their ring slots
             keep = min(C, window)
             slots = new_pos[-keep:] % window
-            cache = KVCache(cache.k.index_copy(2, slots, k[:, :, -keep:]), cache.v.index_copy(2, slots, v[:, :, -keep:]),
-                            cache.positions.index_copy(0, slots, new_pos[-keep:]), start + C)
+            cache = KVCache(
+                cache.k.index_copy(2, slots, k[:, :, -keep:]),
+                cache.v.index_copy(2, slots, v[:, :, -keep:]),
+                cache.positions.index_copy(0, slots, new_pos[-keep:]),
+                start + C,
+            )
         return self.out(y.transpose(1, 2).reshape(B, C, -1)), cache
 
-    def _attend(self, q, k, v, q_pos, k_pos, window: Optional[int]) -> torch.Tensor:
-        """Dense attention of queries at positions q_pos (C,) to keys at k_pos (S,) (-1 = empty slot),
-        with the op's masking, prior and SSMax (kernels/bam_attention.py); computed in fp32 (fp64 for fp64)
-        like the op."""
-        dtype = q.dtype
-        cd = torch.float64 if dtype == torch.float64 else torch.float32
-        group = self.n_heads // self.kv_heads  # each cached key/value head serves `group` query heads
-        q, k, v = q.to(cd), k.to(cd).repeat_interleave(group, 1), v.to(cd).repeat_interleave(group, 1)
-        delta = k_pos[None, :] - q_pos[:, None]  # j - i
-        allowed = (k_pos[None, :] >= 0) & (delta <= 0)
-        if window is not None:
-            allowed &= delta > -window
-        logits = qk = (q @ k.transpose(-1, -2)) * self.head_dim ** -0.5
-        prior = None
-        if self.prior is not None:
-            alpha, beta, mu = self.prior()
-            d = delta.to(cd)[None] - (0 if mu is None else 2 * torch.sinh(mu.to(cd))[:, None, None])
-            exponent = alpha.to(cd)[:, None, None] + beta.to(cd)[:, None, None] * torch.log(d.abs() + EPS)
-            prior = -torch.exp(exponent.clamp(max=EXP_CAP))
-            logits = qk + prior
-        if self.ssmax_s is not None:
-            # n_i: keys row i may see, from the stream start and capped by the window.
-            n = (q_pos + 1) if window is None else (q_pos + 1).clamp(max=window)
-            c = self.ssmax_s.to(cd)[:, None, None] * torch.log(n.to(cd))[:, None]
-            logits = qk * c + prior if (prior is not None and self.ssmax_before_prior) else logits * c
-        probs = torch.softmax(logits.masked_fill(~allowed, -math.inf), dim=-1)
-        return (probs @ v).to(dtype)
-
-    def window_of(self, seq: SequenceInfo) -> Optional[int]:
+    def window_of(self, seq: SequenceInfo) -> int | None:
         return seq.window if (self.sliding and seq.window is not None) else self.window
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -173,11 +190,13 @@ class Attention(nn.Module):
         return 12 * self.n_heads * self.head_dim * context
 
 
+@register_mixer("attention")
 def build_attention(cfg: ModelConfig, shared: dict) -> Attention:
     """Full causal attention (`attention`), settings model.attention."""
     return Attention(cfg, cfg.attention, build_prior(cfg, cfg.attention, shared, "attention"))
 
 
+@register_mixer("swa")
 def build_sliding_window_attention(cfg: ModelConfig, shared: dict) -> Attention:
     """Sliding-window attention (`swa`), settings model.swa; the window may change with every call."""
     return Attention(cfg, cfg.swa, build_prior(cfg, cfg.swa, shared, "swa"), sliding=True)

@@ -8,28 +8,18 @@ token at a time the recurrent form.
 Recurrent layers ignore document boundaries: the state runs across packed documents, as in the SWAX
 paper's pretraining, and the forget gate learns to clear it.
 """
-from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from kernels import dispatch
-from kernels.mlstm import MLstmState, mlstm_recurrent
 from megabam.config.schema import ModelConfig
+from megabam.kernels import dispatch
+from megabam.kernels.mlstm import MLstmState, mlstm_recurrent
+from megabam.kernels.precision import compute_dtype
 from megabam.model.attention import SequenceInfo
-
-
-def compute_dtype(x: Tensor) -> torch.dtype:
-    """Recurrent cells run in fp32 under bf16/fp16 training (exponential gates and long sums), fp64 for fp64."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def head_rms_norm(h: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMS norm of each head's vector: h (B, H, N, D); weight (H·D,) head-major (head h owns
-    weight[h·D:(h+1)·D], so it shards by heads; kept 1-D so the optimizer leaves it undecayed like every norm)."""
-    h32 = h.float()
-    y = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float().view(h.shape[1], 1, h.shape[-1])).type_as(h)
+from megabam.model.layers import head_rms_norm
+from megabam.model.registry import register_mixer
+from megabam.model.sharding import TensorParallelPlan
 
 
 class MLstm(nn.Module):
@@ -43,36 +33,57 @@ class MLstm(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         c, d = cfg.mlstm, cfg.d_model
-        self.n_heads = c.n_heads or cfg.n_heads
-        self.qk_dim, self.v_dim = d // 2 // self.n_heads, d // self.n_heads
+        n_heads = c.n_heads or cfg.n_heads
+        self.qk_dim, self.v_dim = d // 2 // n_heads, d // n_heads
         self.chunk_size, self.soft_cap, self.eps, self.norm_eps = c.chunk_size, c.gate_soft_cap, c.eps, cfg.norm_eps
-        self.kernels = cfg.kernels
+        self.backend = cfg.kernels
         # Where x enters the six projections that read it: the identity here; tensor parallelism makes
-        # it the one collective they share (megabam/parallel/tensor_parallel.py).
+        # it the one collective they share (the plan's entry).
         self.enter = nn.Identity()
         self.q = nn.Linear(d, d // 2, bias=False)
         self.k = nn.Linear(d, d // 2, bias=False)
         self.v = nn.Linear(d, d, bias=False)
-        self.igate = nn.Linear(d, self.n_heads)
-        self.fgate = nn.Linear(d, self.n_heads)
+        self.igate = nn.Linear(d, n_heads)
+        self.fgate = nn.Linear(d, n_heads)
         self.ogate = nn.Linear(d, d, bias=False)
-        self.norm_weight = nn.Parameter(torch.ones(self.n_heads * self.v_dim))
+        self.norm_weight = nn.Parameter(torch.ones(n_heads * self.v_dim))
         self.out = nn.Linear(d, d, bias=False)
         with torch.no_grad():
             self.igate.bias.fill_(c.igate_bias_init)
-            self.fgate.bias.copy_(torch.linspace(c.fgate_bias_init[0], c.fgate_bias_init[1], self.n_heads))
+            self.fgate.bias.copy_(torch.linspace(c.fgate_bias_init[0], c.fgate_bias_init[1], n_heads))
+
+    @property
+    def n_heads(self) -> int:
+        """Heads this module holds (all, or this rank's under tensor parallelism): one input gate each."""
+        return self.igate.weight.shape[0]
+
+    def tp_plan(self) -> TensorParallelPlan:
+        """Whole heads per rank: every projection's head slice behind one shared entry, the head-major
+        norm weight, and the matching rows of the output projection."""
+        return TensorParallelPlan(
+            column={name: 1 for name in ("q", "k", "v", "igate", "fgate", "ogate")},
+            row=("out",),
+            heads=("norm_weight",),
+            entry="enter",
+            head_counts={"mLSTM": self.n_heads},
+        )
 
     def _heads(self, x: Tensor, dim: int) -> Tensor:
         B, N, _ = x.shape
         return x.view(B, N, self.n_heads, dim).transpose(1, 2)
 
-    def _inputs(self, x: Tensor) -> tuple[Tensor, ...]:
+    def cell_inputs(self, x: Tensor) -> tuple[Tensor, ...]:
         """q, k, v as (B, H, N, ·) and the soft-capped gate pre-activations i, f as (B, H, N)."""
         cap = self.soft_cap
         i = (cap * torch.tanh(self.igate(x) / cap)).transpose(1, 2)
         f = (cap * torch.tanh(self.fgate(x) / cap)).transpose(1, 2)
-        return (self._heads(self.q(x), self.qk_dim), self._heads(self.k(x), self.qk_dim),
-                self._heads(self.v(x), self.v_dim), i, f)
+        return (
+            self._heads(self.q(x), self.qk_dim),
+            self._heads(self.k(x), self.qk_dim),
+            self._heads(self.v(x), self.v_dim),
+            i,
+            f,
+        )
 
     def _output(self, x: Tensor, h: Tensor) -> Tensor:
         B, N, _ = x.shape
@@ -82,16 +93,16 @@ class MLstm(nn.Module):
     def forward(self, x: Tensor, seq: SequenceInfo) -> Tensor:
         return self.stream(x, None, seq)[0]
 
-    def stream(self, x: Tensor, state: Optional[MLstmState], seq: SequenceInfo) -> tuple[Tensor, MLstmState]:
+    def stream(self, x: Tensor, state: MLstmState | None, seq: SequenceInfo) -> tuple[Tensor, MLstmState]:
         """Continue from `state` (None = start) over x (B, N, d); returns (output, state after the last
         step). Several steps run the chunkwise form on the op the dispatch point picks (the Triton kernel
         on CUDA tensors), a single step (generation) the recurrent one."""
         x = self.enter(x)
-        inputs = [t.to(compute_dtype(x)) for t in self._inputs(x)]
+        inputs = [t.to(compute_dtype(x)) for t in self.cell_inputs(x)]
         if x.shape[1] == 1:
             h, state = mlstm_recurrent(*inputs, self.eps, state)
         else:
-            h, state = dispatch.mlstm_chunkwise(*inputs, self.eps, self.chunk_size, state, kernels=self.kernels)
+            h, state = dispatch.mlstm_chunkwise(*inputs, self.eps, self.chunk_size, state, backend=self.backend)
         return self._output(x, h.to(x.dtype)), state
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -102,5 +113,6 @@ class MLstm(nn.Module):
         return 3 * self.n_heads * per_head
 
 
+@register_mixer("mlstm")
 def build_mlstm(cfg: ModelConfig, shared: dict) -> MLstm:
     return MLstm(cfg)

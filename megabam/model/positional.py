@@ -3,6 +3,7 @@
 The prior itself, −exp(θ_α)·(|j−i−μ|+ε)^θ_β, is evaluated inside the attention op per tile
 (kernels/bam_attention.py); these modules only own its per-head parameters.
 """
+
 import math
 
 import torch
@@ -63,7 +64,9 @@ class AlibiPrior(nn.Module):
         return self.theta_alpha, self.theta_beta, None
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device=None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, device=None, start: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (seq_len, head_dim/2) of positions start.. (start > 0 continues a stream)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(start, start + seq_len, device=device, dtype=torch.float32), inv_freq)

@@ -1,45 +1,24 @@
 """The decoder: embedding, a stack of (norm → mixer, norm → SwiGLU) blocks, final norm, LM head.
 
-Each layer's mixer comes from `model.layer_pattern` through the `MIXERS` registry: full attention,
+Each layer's mixer comes from `model.layer_pattern` through the `MIXERS` registry (registry.py): full attention,
 sliding-window attention, mLSTM and Gated DeltaNet, in any sequence (SWAX is `[SM]`: SWA and mLSTM 1:1).
 """
+
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megabam.config.schema import ModelConfig
-from megabam.model.attention import SequenceInfo, build_attention, build_sliding_window_attention
-from megabam.model.gated_deltanet import build_gated_deltanet
-from megabam.model.layers import RMSNorm, SwiGLU, swiglu_hidden
-from megabam.model.mlstm import build_mlstm
+
+# The mixer modules register their builders in MIXERS when imported.
+from megabam.model import attention, gated_deltanet, mlstm  # noqa: F401
+from megabam.model.attention import SequenceInfo
+from megabam.model.layers import RMSNorm, SwiGLU
 from megabam.model.positional import SinusoidalPositions
-
-# mixer name → builder(model config, dict of modules shared across layers) → nn.Module called as
-# mixer(x, SequenceInfo), with stream(x, state, SequenceInfo) → (y, state) for recurrent inference and
-# flops_per_token(seq_len) for the MFU estimate.
-MIXERS: dict[str, Callable[[ModelConfig, dict], nn.Module]] = {
-    "attention": build_attention,
-    "swa": build_sliding_window_attention,
-    "mlstm": build_mlstm,
-    "gated_deltanet": build_gated_deltanet,
-}
-# One capital per mixer for compact patterns: layer_pattern: [SM] = [swa, mlstm].
-PATTERN_LETTERS = {"A": "attention", "S": "swa", "M": "mlstm", "G": "gated_deltanet"}
-
-
-def is_compact_pattern(entry: str) -> bool:
-    return entry != "" and all(ch in PATTERN_LETTERS for ch in entry)
-
-
-def expand_pattern(layer_pattern: list[str]) -> list[str]:
-    """Mixer names of one period of the pattern; compact entries ("SM") expand to one name per letter."""
-    names: list[str] = []
-    for entry in layer_pattern:
-        names += [PATTERN_LETTERS[ch] for ch in entry] if is_compact_pattern(entry) else [entry]
-    return names
+from megabam.model.registry import MIXERS
 
 
 class VocabOutput(nn.Module):
@@ -51,7 +30,7 @@ class VocabOutput(nn.Module):
     pipeline's last stage computes `local_logits` and DeepSpeed then calls `loss` on them.
     """
 
-    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.local_logits(h, weight)
         return self.full_logits(logits) if labels is None else self.loss(logits, labels)
 
@@ -76,7 +55,7 @@ class Block(nn.Module):
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = mixer
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden or swiglu_hidden(cfg.d_model))
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden_size())
 
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         x = x + self.mixer(self.mixer_norm(x), seq)
@@ -102,8 +81,7 @@ class Decoder(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         shared: dict = {}
-        period = expand_pattern(cfg.layer_pattern)
-        self.layer_types = period * (cfg.n_layers // len(period))
+        self.layer_types = cfg.layer_types()
         self.blocks = nn.ModuleList(Block(cfg, MIXERS[name](cfg, shared)) for name in self.layer_types)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -126,9 +104,9 @@ class Decoder(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        labels: Optional[torch.Tensor] = None,
-        doc_ids: Optional[torch.Tensor] = None,
-        window: Optional[int] = None,
+        labels: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Mean next-token cross-entropy when `labels` is given, else the logits (B, N, vocab).
         `window` is the sliding-window layers' window for this call (the trainer sets it per step from
@@ -142,7 +120,7 @@ class Decoder(nn.Module):
         logits = self.output.local_logits(self._final_hidden(input_ids, None, None), self._head_weight())
         return self.output.greedy(logits)
 
-    def _final_hidden(self, input_ids: torch.Tensor, doc_ids: Optional[torch.Tensor], window: Optional[int]) -> torch.Tensor:
+    def _final_hidden(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None, window: int | None) -> torch.Tensor:
         """The normed hidden states the output reads."""
         x = self.embed(input_ids)
         if self.sinusoidal:
@@ -156,7 +134,7 @@ class Decoder(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def stream(
-        self, input_ids: torch.Tensor, state: Optional[DecoderState] = None, window: Optional[int] = None
+        self, input_ids: torch.Tensor, state: DecoderState | None = None, window: int | None = None
     ) -> tuple[torch.Tensor, DecoderState]:
         """Recurrent inference: the logits (B, C, vocab) of the next C tokens of a stream whose earlier
         tokens `state` holds (None = start), and the state after them. Equal to `forward` on the whole
@@ -198,7 +176,9 @@ class Decoder(nn.Module):
         for name, block in zip(self.layer_types, self.blocks):
             counts[name] = counts.get(name, 0) + count(block.mixer)
         counts["mlp_and_norms"] = sum(count(b.mlp) + count(b.mlp_norm) + count(b.mixer_norm) for b in self.blocks)
-        counts["embedding_and_head"] = count(self.embed) + count(self.norm) + (count(self.lm_head) if self.lm_head else 0)
+        counts["embedding_and_head"] = (
+            count(self.embed) + count(self.norm) + (count(self.lm_head) if self.lm_head else 0)
+        )
         return counts
 
     def flops_per_token(self, seq_len: int) -> float:

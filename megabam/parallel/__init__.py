@@ -1,7 +1,14 @@
-"""Tensor parallelism and the process-group topology it runs on (one module per job).
+"""Everything that makes a built model run over several processes (one module per job).
 
-- `topology.py`: the data × pipeline × tensor layout and every process group;
-- `mappings.py`: the collectives as autograd functions whose backward is the dual collective;
-- `tensor_parallel.py`: column/row-parallel linears, the vocab-parallel embedding and loss, `apply_tp`;
-- `deepspeed_mpu.py`: the topology as DeepSpeed's model-parallel unit (ZeRO over the data group).
+- `layout.py`: the data × pipeline × tensor sizes and the project's rank order;
+- `topology.py`: the one owner of that layout's process groups (`Topology`, `build_topology`);
+- `distributed.py`: joining the process group (`init_distributed`) and the free-port helper;
+- `mappings.py`: the TP/SP collectives as autograd functions whose backward is the dual collective;
+- `tensor_parallel.py`: column/row-parallel linears, the vocab-parallel embedding and loss, and
+  `apply_tp`, which interprets the modules' tensor-parallel plans (megabam/model/sharding.py);
+- `sequence_parallel.py`: `apply_sp`, sequence shards between the tensor-parallel regions;
+- `activation_checkpoint.py`: `apply_ac`, activation recomputation;
+- `pipeline.py`: the model cut into DeepSpeed pipeline stages, and prediction through them;
+- `deepspeed_mpu.py`: the topology as DeepSpeed's model-parallel unit (ZeRO over the data group);
+- `parallelize.py`: the order in which the above are applied to a built model.
 """

@@ -9,10 +9,11 @@ every rank, and the attention op's own autograd function is recomputed like any 
 The wrapped `forward` is replaced on the instance, not by wrapping the module, so parameter names
 and checkpoints are the same with and without recomputation.
 """
+
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megabam.model.transformer import MIXERS
+from megabam.config.schema import MIXER_NAMES
 
 
 def _recomputed(forward):
@@ -27,7 +28,7 @@ def apply_ac(model: nn.Module, mode: str, mixer_types: list[str]) -> None:
     is in `mixer_types` are recomputed."""
     if mode == "none":
         return
-    unknown = set(mixer_types) - set(MIXERS)
+    unknown = set(mixer_types) - set(MIXER_NAMES)
     if unknown:
         raise ValueError(f"unknown mixer types {sorted(unknown)}")
     for block, kind in zip(model.blocks, model.layer_types):

@@ -7,6 +7,7 @@ rank, replicated ones on tensor rank 0 only). DeepSpeed's "model parallel" means
 here. With pipeline parallelism this class is not used: the pipeline module brings DeepSpeed's own
 grid, built from the same layout (megabam/parallel/pipeline.py).
 """
+
 import torch.distributed as dist
 
 from megabam.parallel.topology import Topology

@@ -14,6 +14,7 @@ Reading this file gives the whole contract between parallel layers:
 Activations are (batch, sequence, features), so the sequence dimension is 1. Every function takes
 the process group explicitly (the tensor-parallel group of a `Topology`); nothing here holds state.
 """
+
 import torch
 import torch.distributed as dist
 from torch import Tensor

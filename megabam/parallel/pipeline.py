@@ -16,10 +16,9 @@ the model's own `loss` on them, so the vocab-parallel loss never gathers the log
 DeepSpeed's grid is built from the project `Topology` with the same rank order (axes data, pipe,
 model: tensor fastest) and checked against it, so the two agree on every rank's coordinates.
 """
-import math
+
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,16 +36,15 @@ EMBEDDING_KEY = "embedding"
 @dataclass
 class StepContext:
     """What every stage needs per step but is not an activation: the SWA window (None = the
-    configured one), and a debug switch that turns the step's loss into NaN (train.debug_nan_steps)."""
+    configured one)."""
 
-    window: Optional[int] = None
-    poison_loss: bool = False
+    window: int | None = None
 
 
 class EmbeddingStage(nn.Module):
     """(token ids, document ids) → (embeddings, document ids), positions added where the model uses them."""
 
-    def __init__(self, embed: nn.Module, positions: Optional[nn.Module]):
+    def __init__(self, embed: nn.Module, positions: nn.Module | None):
         super().__init__()
         self.embed = embed
         self.positions = positions
@@ -97,11 +95,6 @@ def _tied_head(output: VocabOutput, embedding: EmbeddingStage, h: Tensor) -> Ten
     return output.local_logits(h, embedding.embed.weight)
 
 
-def _loss(output: VocabOutput, context: StepContext, logits: Tensor, labels: Tensor) -> Tensor:
-    loss = output.loss(logits, labels)
-    return loss * math.nan if context.poison_loss else loss
-
-
 class DecoderPipeline(PipelineModule):
     """DeepSpeed's PipelineModule with stage boundaries that may be given explicitly."""
 
@@ -134,27 +127,45 @@ def build_pipeline(model: Decoder, topology: Topology, boundaries: list[int], co
     blocks = [BlockStage(block, i, context) for i, block in enumerate(model.blocks)]
     if model.lm_head is None:
         first = TiedLayerSpec(EMBEDDING_KEY, EmbeddingStage, model.embed, positions, tied_weight_attr="embed.weight")
-        last = TiedLayerSpec(EMBEDDING_KEY, EmbeddingStage, model.embed, positions, tied_weight_attr="embed.weight",
-                             forward_fn=partial(_tied_head, model.output))
+        last = TiedLayerSpec(
+            EMBEDDING_KEY,
+            EmbeddingStage,
+            model.embed,
+            positions,
+            tied_weight_attr="embed.weight",
+            forward_fn=partial(_tied_head, model.output),
+        )
     else:
         first, last = EmbeddingStage(model.embed, positions), HeadStage(model.lm_head, model.output)
     # no_grad: DeepSpeed broadcasts the tied embedding in place at construction, which autograd
     # would otherwise record on the parameter.
     with torch.no_grad():
-        pipeline = DecoderPipeline([first, *blocks, FinalNormStage(model.norm), last], boundaries,
-                                   topology=deepspeed_topology(topology), loss_fn=partial(_loss, model.output, context),
-                                   partition_method="parameters")
+        pipeline = DecoderPipeline(
+            [first, *blocks, FinalNormStage(model.norm), last],
+            boundaries,
+            topology=deepspeed_topology(topology),
+            loss_fn=model.output.loss,
+            partition_method="parameters",
+        )
     grid = pipeline.mpu()
     mine = (grid.get_data_parallel_rank(), grid.get_pipe_parallel_rank(), grid.get_slice_parallel_rank())
     if mine != (topology.dp_rank, topology.pp_rank, topology.tp_rank):
-        raise RuntimeError(f"DeepSpeed's pipeline grid places rank {topology.rank} at (dp, pp, tp) = {mine}, "
-                           f"the topology at {(topology.dp_rank, topology.pp_rank, topology.tp_rank)}")
+        raise RuntimeError(
+            f"DeepSpeed's pipeline grid places rank {topology.rank} at (dp, pp, tp) = {mine}, "
+            f"the topology at {(topology.dp_rank, topology.pp_rank, topology.tp_rank)}"
+        )
     _release_other_stages(model, pipeline)
     return pipeline
 
 
-def pipeline_greedy(pipeline: DecoderPipeline, topology: Topology, output: VocabOutput, context: StepContext,
-                    width: int, sequence_parallel: bool):
+def pipeline_greedy(
+    pipeline: DecoderPipeline,
+    topology: Topology,
+    output: VocabOutput,
+    context: StepContext,
+    width: int,
+    sequence_parallel: bool,
+):
     """`predict(ids)` (the most likely next token at each position) through the stages, for evaluation
     outside DeepSpeed's engine (any length, no micro-batches). Collective over the pipeline group.
 

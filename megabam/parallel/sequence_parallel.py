@@ -23,16 +23,26 @@ Sequence lengths must split over the TP ranks, in training and in evaluation. `D
 works on chunks whose length splits too; token-by-token generation needs the model without
 sequence parallelism, which holds the same parameters (an SP checkpoint loads into a TP model).
 """
+
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from megabam.model.layers import RMSNorm, rms_norm
 from megabam.model.positional import SinusoidalPositions
 from megabam.model.transformer import Decoder
-from megabam.parallel.mappings import (copy_to_tensor_region, gather_from_sequence_region,
-                                       reduce_scatter_to_sequence_region)
-from megabam.parallel.tensor_parallel import (ColumnParallelLinear, CopyToTensorRegion, EnteredColumnParallelLinear,
-                                              RowParallelLinear, VocabParallelEmbedding, VocabParallelOutput)
+from megabam.parallel.mappings import (
+    copy_to_tensor_region,
+    gather_from_sequence_region,
+    reduce_scatter_to_sequence_region,
+)
+from megabam.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    CopyToTensorRegion,
+    EnteredColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelOutput,
+)
 from megabam.parallel.topology import Topology
 
 
@@ -57,9 +67,10 @@ class SequenceParallelRMSNorm(RMSNorm):
     """RMSNorm of a sequence shard, then the whole normed sequence for the region after it.
 
     The weight, replicated over TP, gets only this shard's part of the gradient locally. It enters
-    through copy_to_tensor_region, identity forward and all-reduce backward, so the all-reduce is part of the autograd graph: every rank's .grad is the whole sequence's gradient
-    before any hook, optimizer or ZeRO sees it, under activation recomputation too, with no
-    bookkeeping of which parameters need it. The price is one small all-reduce (d values) per norm
+    through copy_to_tensor_region, identity forward and all-reduce backward, so the all-reduce is part
+    of the autograd graph: every rank's .grad is the whole sequence's gradient before any hook,
+    optimizer or ZeRO sees it, under activation recomputation too, with no bookkeeping of which
+    parameters need it. The price is one small all-reduce (d values) per norm
     per backward, instead of Megatron's one bucketed all-reduce after the backward.
     """
 

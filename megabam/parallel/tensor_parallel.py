@@ -1,7 +1,8 @@
 """Megatron-style tensor parallelism, applied to a built `Decoder` by `apply_tp` (torchtitan style).
 
-The model code has no parallel branches: `apply_tp` swaps its modules for parallel ones and shards
-the per-head parameters in place. Each rank keeps whole heads: attention q, k, v and its output
+The model code has no parallel branches: each mixer and MLP declares how it splits (`tp_plan()`,
+megabam/model/sharding.py), and `apply_tp` interprets those plans, swapping modules for parallel ones
+and sharding the per-head parameters in place. Each rank keeps whole heads: attention q, k, v and its output
 projection, each head's BAM θ_α, θ_β, θ_μ and SSMax s, the mLSTM and Gated DeltaNet projections,
 gates, per-head norms and decay parameters. The SwiGLU hidden units, the embedding rows and the LM
 head's vocabulary rows are split the same way. Norms and everything else stay replicated.
@@ -11,24 +12,24 @@ a TP=k model from seed s holds exactly the shards of the TP=1 model from seed s.
 full model's memory once at build time; models too large for one rank will need meta-device
 construction with per-shard initialisation that reproduces the same values.
 """
-from typing import Union
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megabam.model.attention import Attention
-from megabam.model.gated_deltanet import GatedDeltaNet
-from megabam.model.layers import SwiGLU
-from megabam.model.mlstm import MLstm
+from megabam.model.sharding import TensorParallelPlan
 from megabam.model.transformer import Decoder, VocabOutput
-from megabam.parallel.mappings import (all_gather_along, copy_to_tensor_region, gather_from_tensor_region,
-                                       reduce_from_tensor_region)
+from megabam.parallel.mappings import (
+    all_gather_along,
+    copy_to_tensor_region,
+    gather_from_tensor_region,
+    reduce_from_tensor_region,
+)
 from megabam.parallel.topology import Topology
 
 
-def shard(t: Tensor, dim: int, rank: int, size: int, parts: Union[int, list[int]] = 1) -> Tensor:
+def shard(t: Tensor, dim: int, rank: int, size: int, parts: int | list[int] = 1) -> Tensor:
     """Rank `rank`'s share of `t` along `dim` when `t` is fused blocks along it: `parts` equal ones, or
     blocks of the sizes listed.
 
@@ -66,7 +67,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, topology: Topology, parts: Union[int, list[int]] = 1) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, topology: Topology, parts: int | list[int] = 1) -> "ColumnParallelLinear":
         """Slice `linear`'s output rows (and bias), `parts` fused blocks kept aligned (see `shard`)."""
         r, k = topology.tp_rank, topology.tp_size
         bias = None if linear.bias is None else shard(linear.bias, 0, r, k, parts)
@@ -208,64 +209,51 @@ def _shard_parameter(module: nn.Module, name: str, topology: Topology) -> None:
     setattr(module, name, sharded_parameter(new, old.requires_grad) if isinstance(old, nn.Parameter) else new)
 
 
-def _local_heads(heads: int, topology: Topology, what: str) -> int:
-    if heads % topology.tp_size:
-        raise ValueError(f"{heads} {what} heads do not split over tensor-parallel size {topology.tp_size}")
-    return heads // topology.tp_size
+def _shard_depthwise_conv(conv: nn.Conv1d, topology: Topology, parts: int) -> nn.Conv1d:
+    """The depthwise convolution of this rank's channels (one filter per channel, `parts` fused blocks)."""
+    weight = shard(conv.weight, 0, topology.tp_rank, topology.tp_size, parts)
+    local = nn.Conv1d(
+        weight.shape[0], weight.shape[0], conv.kernel_size, groups=weight.shape[0], bias=False, device="meta"
+    )
+    local.weight = sharded_parameter(weight)
+    return local
 
 
-def _shard_attention(attn: Attention, topology: Topology, sharded: set[int]) -> None:
-    q_rows, kv_rows = attn.n_heads * attn.head_dim, attn.kv_heads * attn.head_dim
-    attn.n_heads = _local_heads(attn.n_heads, topology, "attention")
-    attn.kv_heads = _local_heads(attn.kv_heads, topology, "attention key/value")
-    attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, topology, parts=[q_rows, kv_rows, kv_rows])
-    attn.out = RowParallelLinear.from_linear(attn.out, topology)
-    if attn.ssmax_s is not None:
-        _shard_parameter(attn, "ssmax_s", topology)
-    # A prior shared across layers is one module: shard it once.
-    if attn.prior is not None and id(attn.prior) not in sharded:
-        sharded.add(id(attn.prior))
-        for name, _ in [*attn.prior.named_parameters(recurse=False), *attn.prior.named_buffers(recurse=False)]:
-            _shard_parameter(attn.prior, name, topology)
-
-
-def _shard_mlstm(cell: MLstm, topology: Topology, sharded: set[int]) -> None:
-    cell.n_heads = _local_heads(cell.n_heads, topology, "mLSTM")
-    cell.enter = CopyToTensorRegion(topology.tp_group)
-    for name in ("q", "k", "v", "igate", "fgate", "ogate"):
-        setattr(cell, name, EnteredColumnParallelLinear.from_linear(getattr(cell, name), topology))
-    _shard_parameter(cell, "norm_weight", topology)
-    cell.out = RowParallelLinear.from_linear(cell.out, topology)
-
-
-def _shard_gated_deltanet(cell: GatedDeltaNet, topology: Topology, sharded: set[int]) -> None:
-    cell.n_heads = _local_heads(cell.n_heads, topology, "Gated DeltaNet")
-    cell.enter = CopyToTensorRegion(topology.tp_group)
-    cell.qkv = EnteredColumnParallelLinear.from_linear(cell.qkv, topology, parts=3)
-    # The depthwise convolution has one filter per [q | k | v] channel: keep those of the local heads.
-    conv = cell.conv
-    conv.weight = sharded_parameter(shard(conv.weight, 0, topology.tp_rank, topology.tp_size, parts=3))
-    conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
-    for name in ("a", "b", "gate"):
-        setattr(cell, name, EnteredColumnParallelLinear.from_linear(getattr(cell, name), topology))
-    for name in ("A_log", "dt_bias", "norm_weight"):
-        _shard_parameter(cell, name, topology)
-    cell.out = RowParallelLinear.from_linear(cell.out, topology)
-
-
-_MIXER_PLANS = {Attention: _shard_attention, MLstm: _shard_mlstm, GatedDeltaNet: _shard_gated_deltanet}
-
-
-def _shard_mlp(mlp: SwiGLU, topology: Topology) -> None:
-    mlp.gate_up = ColumnParallelLinear.from_linear(mlp.gate_up, topology, parts=2)
-    mlp.down = RowParallelLinear.from_linear(mlp.down, topology)
+def apply_plan(module: nn.Module, plan: TensorParallelPlan, topology: Topology, sharded: set[int]) -> None:
+    """Make `module` tensor-parallel as its plan says (megabam/model/sharding.py). `sharded` holds the
+    ids of per-head submodules already split (one shared by several layers is split once)."""
+    for what, heads in plan.head_counts.items():
+        if heads % topology.tp_size:
+            raise ValueError(f"{heads} {what} heads do not split over tensor-parallel size {topology.tp_size}")
+    column = ColumnParallelLinear
+    if plan.entry is not None:
+        setattr(module, plan.entry, CopyToTensorRegion(topology.tp_group))
+        column = EnteredColumnParallelLinear
+    for name, parts in plan.column.items():
+        setattr(module, name, column.from_linear(getattr(module, name), topology, parts))
+    for name in plan.row:
+        setattr(module, name, RowParallelLinear.from_linear(getattr(module, name), topology))
+    for name, parts in plan.channels.items():
+        setattr(module, name, _shard_depthwise_conv(getattr(module, name), topology, parts))
+    for name in plan.heads:
+        target = getattr(module, name)
+        if isinstance(target, nn.Module):
+            if id(target) in sharded:
+                continue
+            sharded.add(id(target))
+            for tensor_name, _ in [*target.named_parameters(recurse=False), *target.named_buffers(recurse=False)]:
+                _shard_parameter(target, tensor_name, topology)
+        elif target is not None:
+            _shard_parameter(module, name, topology)
 
 
 def apply_tp(model: Decoder, topology: Topology) -> Decoder:
     """Convert `model`, built in full from the run's seed on every rank, to tensor-parallel in place.
 
-    Afterwards each rank holds its shard of every split parameter; the forward with labels returns
-    the same (replicated) loss as the full model, and without labels the full logits.
+    Every mixer and MLP is split by its own `tp_plan()`; the embedding, the LM head and the output
+    by vocabulary rows. Afterwards each rank holds its shard of every split parameter; the forward
+    with labels returns the same (replicated) loss as the full model, and without labels the full
+    logits.
     """
     vocab = model.embed.weight.shape[0]
     if vocab % topology.tp_size:
@@ -274,15 +262,15 @@ def apply_tp(model: Decoder, topology: Topology) -> Decoder:
     vocab_start = r * (vocab // k)
     # With tied embeddings the output reads embed.weight, so replacing the embedding keeps them tied.
     model.embed = VocabParallelEmbedding(shard(model.embed.weight, 0, r, k), vocab_start, topology.tp_group)
-    if model.lm_head is not None:  # only its weight is read (by the output), so slice the weight
-        model.lm_head.weight = sharded_parameter(shard(model.lm_head.weight, 0, r, k))
-        model.lm_head.out_features = vocab // k
+    if model.lm_head is not None:  # only its weight is read (by the output)
+        head = nn.Linear(model.lm_head.in_features, vocab // k, bias=False, device="meta")
+        head.weight = sharded_parameter(shard(model.lm_head.weight, 0, r, k))
+        model.lm_head = head
     model.output = VocabParallelOutput(vocab_start, topology.tp_group)
     sharded: set[int] = set()
     for block in model.blocks:
-        plan = _MIXER_PLANS.get(type(block.mixer))
-        if plan is None:
-            raise ValueError(f"no tensor-parallel plan for mixer {type(block.mixer).__name__}")
-        plan(block.mixer, topology, sharded)
-        _shard_mlp(block.mlp, topology)
+        for module in (block.mixer, block.mlp):
+            if not hasattr(module, "tp_plan"):
+                raise ValueError(f"{type(module).__name__} declares no tensor-parallel plan (tp_plan)")
+            apply_plan(module, module.tp_plan(), topology, sharded)
     return model

@@ -1,12 +1,14 @@
 """The one owner of the data × pipeline × tensor layout and its torch.distributed process groups.
 
-Rank order is the project's (megabam/data/layout.py): global rank = ((dp · PP) + pp) · TP + tp, so
+Rank order is the project's (megabam/parallel/layout.py): global rank = ((dp · PP) + pp) · TP + tp, so
 tensor-parallel peers are consecutive ranks (on a cluster they share a node, where their per-layer
 all-reduces are cheap). No other module creates process groups: they ask a `Topology`.
 """
+
 import torch.distributed as dist
 
-from megabam.data.layout import ParallelLayout
+from megabam.config import ConfigError
+from megabam.parallel.layout import ParallelLayout
 
 
 class Topology:
@@ -22,8 +24,10 @@ class Topology:
             raise RuntimeError("Topology needs an initialised torch.distributed process group")
         world = dist.get_world_size()
         if world != layout.world_size:
-            raise ValueError(f"world size {world} is not data·pipeline·tensor = "
-                             f"{layout.data}·{layout.pipeline}·{layout.tensor} = {layout.world_size}")
+            raise ValueError(
+                f"world size {world} is not data·pipeline·tensor = "
+                f"{layout.data}·{layout.pipeline}·{layout.tensor} = {layout.world_size}"
+            )
         self.layout = layout
         self.rank = dist.get_rank()
         self.dp_rank, self.pp_rank, self.tp_rank = layout.coordinates(self.rank)
@@ -65,3 +69,16 @@ class Topology:
     @property
     def dp_size(self) -> int:
         return self.layout.data
+
+
+def build_topology(tensor: int, pipeline: int) -> Topology:
+    """The layout of this launch: tensor and pipeline sizes from the config, data parallelism from the
+    rest of the world."""
+    world, model_parallel = dist.get_world_size(), tensor * pipeline
+    if world % model_parallel:
+        raise ConfigError(
+            "<launch>",
+            "parallel.tensor",
+            f"world size {world} is not a multiple of parallel.tensor · parallel.pipeline = {model_parallel}",
+        )
+    return Topology(ParallelLayout(data=world // model_parallel, tensor=tensor, pipeline=pipeline))

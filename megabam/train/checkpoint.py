@@ -5,7 +5,7 @@ Layout of a run's checkpoints:
     checkpoints/latest                 tag of the newest complete checkpoint (moved last)
     checkpoints/step_00000100/         DeepSpeed files (model, ZeRO-partitioned optimizer, scheduler)
         rng_rank00000.json             each rank's RNG state
-        megabam.json                   step, tokens, data-loader position, config, tokenizer, wandb id
+        megabam.json                   `CheckpointMeta`: step, tokens, data-loader position, config, ...
         manifest.json                  size and xxh3-128 digest of every other file (written last)
     checkpoints/.tmp-step_00000200/    a checkpoint being written (ignored and cleaned up)
 
@@ -14,12 +14,16 @@ moves. At load, the newest checkpoint whose manifest verifies is used; a partial
 reported and skipped. Nothing megabam writes needs unpickling, and DeepSpeed's own files are read
 with `weights_only=True`.
 """
+
+import dataclasses
 import json
 import os
 import re
 import shutil
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,68 @@ from megabam.train import rng
 META_FILE = "megabam.json"
 MANIFEST_FILE = "manifest.json"
 TAG = re.compile(r"^step_(\d{8})$")
+META_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file megabam cannot use; the message names the file."""
+
+
+@dataclass
+class CheckpointMeta:
+    """What a checkpoint's megabam.json holds besides DeepSpeed's files: everything the trainer, and
+    the conversion and evaluation tools, need to know about the run at that step.
+
+    Written as JSON, read back by `read`, which refuses a missing or unknown field, a wrong type or a
+    newer version in one line naming the file. Version 0 (written before the field `version`
+    existed) holds the same fields and is read as version 1.
+    """
+
+    step: int
+    tokens: int  # consumed by the run so far (all data-parallel ranks)
+    samples: int
+    loader: dict  # the streaming loader's state_dict
+    config: dict  # the resolved Config, as dataclasses.asdict gives it
+    skipped_steps: int  # steps whose update was skipped (non-finite loss or gradient norm)
+    tokenizer: str  # path of the run's tokenizer model
+    wandb_id: str | None  # the wandb run to continue
+    window_sampler: dict | None  # WindowSampler.state_dict(), None without SWA layers
+    version: int = META_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def read(cls, path: Path) -> "CheckpointMeta":
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: not readable as JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        version = raw.pop("version", 0)
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise CheckpointError(f"{path}: version must be a non-negative integer, got {version!r}")
+        if version > META_VERSION:
+            raise CheckpointError(
+                f"{path}: written by a newer megabam (metadata version {version}; this one reads "
+                f"up to {META_VERSION}); upgrade megabam to resume or convert it"
+            )
+        hints = typing.get_type_hints(cls)
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "version"]
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise CheckpointError(f"{path}: unknown field(s) {', '.join(unknown)}")
+        missing = [name for name in fields if name not in raw]
+        if missing:
+            raise CheckpointError(f"{path}: missing field(s) {', '.join(missing)}")
+        for name in fields:
+            allowed = typing.get_args(hints[name]) or (hints[name],)
+            value = raw[name]
+            if isinstance(value, bool) or not isinstance(value, allowed):
+                names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+                raise CheckpointError(f"{path}: field {name} must be {names}, got {value!r:.60}")
+        return cls(**raw)
 
 
 class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
@@ -68,12 +134,12 @@ def list_tags(run_dir: Path) -> list[str]:
     return sorted(tags, reverse=True)
 
 
-def save(engine, run_dir: Path, step: int, meta: dict, keep: int) -> Path:
+def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int) -> Path:
     """Collective. Every rank writes its DeepSpeed shard and RNG state into a temporary directory;
     the ranks hash the files between them; rank 0 writes metadata and manifest, renames the
     directory into place, moves `latest`, and deletes all but the newest `keep` checkpoints."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    root, tag = checkpoint_root(run_dir), tag_for(step)
+    root, tag = checkpoint_root(run_dir), tag_for(meta.step)
     tmp = root / f".tmp-{tag}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
@@ -81,7 +147,7 @@ def save(engine, run_dir: Path, step: int, meta: dict, keep: int) -> Path:
     engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
     _write_json(tmp / f"rng_rank{rank:05d}.json", rng.capture())
     if rank == 0:
-        _write_json(tmp / META_FILE, dict(meta, step=step))
+        _write_text_atomic(tmp / META_FILE, meta.to_json())
     dist.barrier()
 
     files = sorted(p.name for p in tmp.iterdir() if p.is_file())
@@ -105,7 +171,7 @@ def save(engine, run_dir: Path, step: int, meta: dict, keep: int) -> Path:
     return root / tag
 
 
-def find_valid(run_dir: Path, report: Callable[[str], None]) -> Optional[str]:
+def find_valid(run_dir: Path, report: Callable[[str], None]) -> str | None:
     """Collective. The newest checkpoint that verifies against its manifest, or None.
     Every skipped checkpoint is reported with the reason."""
     for tag in list_tags(run_dir):
@@ -116,7 +182,11 @@ def find_valid(run_dir: Path, report: Callable[[str], None]) -> Optional[str]:
     return None
 
 
-def load(engine, run_dir: Path, tag: str) -> dict:
+def read_meta(run_dir: Path, tag: str) -> CheckpointMeta:
+    return CheckpointMeta.read(checkpoint_root(run_dir) / tag / META_FILE)
+
+
+def load(engine, run_dir: Path, tag: str) -> CheckpointMeta:
     """Restore engine (model, optimizer, scheduler) and this rank's RNG from `tag`; return its metadata."""
     root = checkpoint_root(run_dir)
     load_path, _ = engine.load_checkpoint(str(root), tag=tag)
@@ -124,10 +194,10 @@ def load(engine, run_dir: Path, tag: str) -> dict:
         raise FileNotFoundError(f"{root / tag}: DeepSpeed could not load this checkpoint")
     rng_file = root / tag / f"rng_rank{dist.get_rank():05d}.json"
     rng.restore(json.loads(rng_file.read_text()))
-    return json.loads((root / tag / META_FILE).read_text())
+    return read_meta(run_dir, tag)
 
 
-def _verify(path: Path) -> Optional[str]:
+def _verify(path: Path) -> str | None:
     """Collective: each rank checks a share of the files; all ranks return the same verdict."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:

@@ -6,7 +6,13 @@ checkpoint cadence, evaluation, optimizer and schedule values) are accepted and 
 
 # Dotted-key prefixes whose change makes the checkpoint unusable for this run.
 INCOMPATIBLE = (
-    "model.", "data.", "parallel.", "train.micro_batch_size", "train.grad_accum", "train.precision", "run.seed",
+    "model.",
+    "data.",
+    "parallel.",
+    "train.micro_batch_size",
+    "train.grad_accum",
+    "train.precision",
+    "run.seed",
 )
 # Changes that mean nothing for the computation.
 IGNORED = ("run.output_dir", "run.name", "data.cache_dir")

@@ -1,46 +1,19 @@
-"""Process-group start-up and the DeepSpeed engine around the model."""
+"""The DeepSpeed engine around this rank's parallel model, and how one step runs on it."""
+
+import math
 import os
-import socket
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
-from megabam.config.loader import ConfigError
 from megabam.config.schema import Config
-from megabam.data.layout import ParallelLayout
 from megabam.model import Decoder
-from megabam.parallel.activation_checkpoint import apply_ac
-from megabam.parallel.deepspeed_mpu import DeepSpeedMpu
-from megabam.parallel.pipeline import StepContext, build_pipeline, pipeline_greedy
-from megabam.parallel.sequence_parallel import apply_sp
-from megabam.parallel.tensor_parallel import apply_tp
+from megabam.parallel.parallelize import ParallelModel, parallelize
 from megabam.parallel.topology import Topology
+from megabam.train.logger import head_parameters
 from megabam.train.optim import build_optimizer, build_scheduler
-
-
-def init_distributed() -> None:
-    """Join the process group that torchrun / the deepspeed launcher describe in the environment.
-
-    A plain `megabam train` is given a one-rank world on loopback, so the same DeepSpeed path runs
-    with one process as with many. All five variables are set together: DeepSpeed falls back to MPI
-    discovery (and replaces MASTER_ADDR) when any is missing.
-    """
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])  # streaming reads it
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def deepspeed_config(cfg: Config) -> dict:
@@ -64,65 +37,99 @@ def deepspeed_config(cfg: Config) -> dict:
     return config
 
 
+def _pipeline_batch(batch: dict) -> tuple:
+    """A micro-batch as DeepSpeed's pipeline engine takes it: (first stage's inputs, last stage's labels)."""
+    return (batch["input_ids"], batch["doc_ids"]), batch["labels"]
+
+
 @dataclass
-class TrainingModel:
-    """The DeepSpeed engine and what the trainer needs to know about the model it wraps.
+class TrainingEngine:
+    """The DeepSpeed engine (`deepspeed`) and the parallel model it wraps (`parallel`). Size and FLOPs
+    are the whole model's, taken before it was split over ranks."""
 
-    `pipeline` is None without pipeline parallelism (the engine is called per micro-batch), else the
-    step context the pipeline stages read (the engine runs a whole step in `train_batch`). Size and
-    FLOPs are the whole model's, taken before it was split over ranks.
-    """
-
-    engine: object
+    deepspeed: deepspeed.DeepSpeedEngine
+    parallel: ParallelModel
+    topology: Topology
+    device: torch.device  # where batches go: this rank's GPU, or the CPU
     params: int
     flops_per_token: float
-    pipeline: Optional[StepContext]
-    predict: Callable[[torch.Tensor], torch.Tensor]  # token ids → most likely next tokens (passkey_accuracy)
 
-    def local_blocks(self) -> list:
-        """(layer index, block) of the decoder blocks this rank holds."""
-        module = self.engine.module
-        return module.local_blocks() if self.pipeline is not None else list(enumerate(module.blocks))
+    def step(self, micro_batches: list[dict], window: int | None) -> torch.Tensor:
+        """One optimizer step over the micro-batches; returns their losses summed (float64). Under
+        pipeline parallelism the engine returns the mean over the micro-batches and data-parallel ranks
+        on every rank, so the sum is that mean times the number of micro-batches."""
+        engine, context = self.deepspeed, self.parallel.step_context
+        if context is not None:
+            context.window = window
+            loss = engine.train_batch(iter([_pipeline_batch(b) for b in micro_batches]))
+            return loss.detach().double() * len(micro_batches)
+        loss_sum = torch.zeros((), device=micro_batches[0]["input_ids"].device, dtype=torch.float64)
+        for batch in micro_batches:
+            loss = engine(batch["input_ids"], batch["labels"], batch["doc_ids"], window)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().double()
+        return loss_sum
+
+    @torch.no_grad()
+    def mean_loss(self, batches: list[dict]) -> float:
+        """Mean loss over `batches` (the configured SWA window), averaged over data-parallel ranks."""
+        engine, context, device = self.deepspeed, self.parallel.step_context, self.device
+        if context is not None:
+            # Every stage must run the same number of micro-batches: the fewest any rank has.
+            count = torch.tensor([len(batches)], device=device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)
+            batches = batches[: int(count)]
+            if not batches:
+                return math.nan
+            context.window = None
+            loss = engine.eval_batch(iter([_pipeline_batch(b) for b in batches]), num_micro_batches=len(batches))
+            return float(loss)
+        engine.eval()
+        total = torch.zeros(2, device=device)
+        for batch in batches:
+            total[0] += engine(batch["input_ids"], batch["labels"], batch["doc_ids"]).float()
+            total[1] += 1
+        engine.train()
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item() if total[1] > 0 else math.nan
+
+    def predict(self, ids: torch.Tensor) -> torch.Tensor:
+        """The most likely next token at each position (passkey scoring), through every stage."""
+        return self.parallel.predict(ids)
+
+    def current_lr(self) -> float:
+        """The peak-relative learning rate the next step will use (group lr divided by its multiplier)."""
+        group = self.deepspeed.optimizer.param_groups[0]
+        return group["lr"] / group["lr_mult"]
+
+    def head_parameters(self) -> dict[str, float]:
+        """Per-head prior and SSMax values of every layer (collective over the pipeline group; each stage
+        knows its own layers). Under TP, this tensor rank's heads."""
+        module = self.deepspeed.module
+        blocks = module.local_blocks() if self.parallel.step_context is not None else list(enumerate(module.blocks))
+        mine = head_parameters(blocks)
+        if self.topology.pp_size == 1:
+            return mine
+        stages: list = [None] * self.topology.pp_size
+        dist.all_gather_object(stages, mine, group=self.topology.pp_group)
+        return {key: value for stage in stages for key, value in stage.items()}
 
 
-def build_topology(cfg: Config) -> Topology:
-    """The layout of this launch: tensor and pipeline sizes from the config, data parallelism from the
-    rest of the world."""
-    world, model_parallel = dist.get_world_size(), cfg.parallel.tensor * cfg.parallel.pipeline
-    if world % model_parallel:
-        raise ConfigError("<launch>", "parallel.tensor", f"world size {world} is not a multiple of "
-                          f"parallel.tensor · parallel.pipeline = {model_parallel}")
-    return Topology(ParallelLayout(data=world // model_parallel, tensor=cfg.parallel.tensor,
-                                   pipeline=cfg.parallel.pipeline))
-
-
-def build_engine(cfg: Config, topology: Topology) -> TrainingModel:
-    """Model (seeded; then tensor-parallel, sequence-parallel and split into pipeline stages as the
-    topology and config say), AdamW groups and schedule, wrapped by `deepspeed.initialize` with ZeRO
-    over the data-parallel group."""
+def build_engine(cfg: Config, topology: Topology) -> TrainingEngine:
+    """Model (seeded; then made this rank's part of the layout by `parallelize`), AdamW groups and
+    schedule, wrapped by `deepspeed.initialize` with ZeRO over the data-parallel group."""
     torch.manual_seed(cfg.run.seed)
     model = Decoder(cfg.model)
     params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)
-    if topology.tp_size > 1:
-        # Every rank built the whole model from the seed; each keeps its shards, so TP=k holds exactly
-        # the shards of the TP=1 model.
-        apply_tp(model, topology)
-        if cfg.parallel.sequence_parallel:
-            apply_sp(model, topology)
-    apply_ac(model, cfg.parallel.recompute, cfg.parallel.recompute_mixers)
-    context, mpu, predict = None, DeepSpeedMpu(topology), model.greedy
-    if topology.pp_size > 1:
-        # The pipeline module brings DeepSpeed's grid (built from the same topology) as its mpu.
-        context, mpu, output = StepContext(), None, model.output
-        model = build_pipeline(model, topology, cfg.parallel.pipeline_boundaries, context)
-        predict = pipeline_greedy(model, topology, output, context, cfg.model.d_model, cfg.parallel.sequence_parallel)
-    optimizer = build_optimizer(model, cfg.optim)
+    parallel = parallelize(model, cfg, topology)
     engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        mpu=mpu,
+        model=parallel.module,
+        optimizer=build_optimizer(parallel.module, cfg.optim),
+        mpu=parallel.mpu,
         # A callable, so the schedule wraps the optimizer DeepSpeed actually steps (ZeRO wraps ours).
         lr_scheduler=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.steps),
         config=deepspeed_config(cfg),
     )
-    return TrainingModel(engine, params, flops_per_token, context, predict)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    return TrainingEngine(engine, parallel, topology, device, params, flops_per_token)

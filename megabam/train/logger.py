@@ -1,11 +1,12 @@
-"""What a run reports: a progress bar, metrics.jsonl, wandb (offline unless configured), per-head
-BAM/SSMax parameters, and the MFU estimate. Only rank 0 reports; other ranks get a silent logger."""
+"""What a run records: a progress bar, metrics.jsonl, wandb (offline unless configured), per-head
+BAM/SSMax parameters, and the MFU estimate. Only rank 0 records; other ranks get a silent RunLogger.
+Messages go through megabam/log.py, which writes around the progress bar."""
+
 import dataclasses
 import json
 import math
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from megabam.config.schema import Config, LoggingConfig
 KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
-def peak_tflops(cfg: LoggingConfig) -> Optional[float]:
+def peak_tflops(cfg: LoggingConfig) -> float | None:
     if cfg.peak_tflops is not None:
         return cfg.peak_tflops
     if torch.cuda.is_available():
@@ -44,7 +45,7 @@ def head_parameters(blocks: list[tuple[int, nn.Module]]) -> dict[str, float]:
 
 
 class RunLogger:
-    def __init__(self, cfg: Config, run_dir: Path, start_step: int, wandb_id: Optional[str], enabled: bool):
+    def __init__(self, cfg: Config, run_dir: Path, start_step: int, wandb_id: str | None, enabled: bool):
         self.enabled = enabled
         self.bar = None
         self.wandb_run = None
@@ -57,7 +58,7 @@ class RunLogger:
             self.wandb_run = _start_wandb(cfg, run_dir, wandb_id)
 
     @property
-    def wandb_id(self) -> Optional[str]:
+    def wandb_id(self) -> str | None:
         return self.wandb_run.id if self.wandb_run is not None else None
 
     def step(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
@@ -73,10 +74,6 @@ class RunLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
 
-    def write(self, text: str) -> None:
-        if self.enabled:
-            (self.bar.write if self.bar is not None else print)(text)
-
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -84,7 +81,7 @@ class RunLogger:
             self.wandb_run.finish()
 
 
-def _start_wandb(cfg: Config, run_dir: Path, wandb_id: Optional[str]):
+def _start_wandb(cfg: Config, run_dir: Path, wandb_id: str | None):
     import wandb  # imported here: it starts a service process, not needed by silent ranks
 
     os.environ.setdefault("WANDB_SILENT", "true")

@@ -1,4 +1,5 @@
 """AdamW parameter groups and the learning-rate schedules."""
+
 import math
 
 import torch

@@ -1,4 +1,5 @@
 """The loss curve of a run as a PNG, drawn from its metrics.jsonl."""
+
 import json
 from pathlib import Path
 

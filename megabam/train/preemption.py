@@ -1,8 +1,7 @@
 """Preemption: SIGTERM / SIGUSR1 (SLURM sends one before the time limit) ask every rank to finish
-its step, checkpoint, and exit with EXIT_PREEMPTED so that launch scripts requeue the job."""
-import signal
+its step, checkpoint, and exit with megabam.exit_codes.PREEMPTED so that launch scripts requeue the job."""
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" — the launchers requeue on it
+import signal
 
 
 class PreemptionFlag:

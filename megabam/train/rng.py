@@ -2,6 +2,7 @@
 
 Training itself draws nothing random after initialisation, but dropout, sampling-based data tricks
 or user code may; a resumed run must see the same streams."""
+
 import random
 
 import numpy as np

@@ -1,5 +1,11 @@
 """The training loop: data → DeepSpeed engine → metrics, evaluation and checkpoints, with auto-resume,
-preemption handling and a guard against non-finite steps."""
+preemption handling and a guard against non-finite steps.
+
+`Trainer` owns the run: the topology, the engine, the loaders, the window sampler, the logger and the
+counters in `Progress`. `run` repeats `train_step` → `record` → maybe `evaluate` → maybe
+`save_checkpoint` until the last step, then `finish` (final checkpoint, passkey score, plot, summary).
+"""
+
 import itertools
 import json
 import logging
@@ -7,29 +13,33 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from megabam.config import Config, ConfigError, save_config
-from megabam.data.default_dataset import build_default_dataset
-from megabam.data.errors import DataError
+from megabam.config.schema import expand_pattern
 from megabam.data.loader import build_loader
 from megabam.data.passkey import passkey_sample
 from megabam.data.tokenizer import Tokenizer
-from megabam.data.training_data import TrainingData, prepared_mixture, single_dataset
+from megabam.data.training_data import build_training_data
 from megabam.eval.passkey import passkey_accuracy
+from megabam.log import setup_logging
+from megabam.parallel.distributed import init_distributed
+from megabam.parallel.topology import build_topology
 from megabam.train import checkpoint
+from megabam.train.checkpoint import CheckpointMeta
 from megabam.train.compatibility import config_changes
-from megabam.train.engine import TrainingModel, build_engine, build_topology, init_distributed
-from megabam.train.logger import RunLogger, head_parameters, peak_tflops
+from megabam.train.engine import build_engine
+from megabam.train.logger import RunLogger, peak_tflops
 from megabam.train.plot import plot_loss
-from megabam.model.transformer import expand_pattern
 from megabam.train.preemption import Preempted, PreemptionFlag
 from megabam.train.window_sampler import WindowSampler
+
+log = logging.getLogger(__name__)
 
 
 class RunDirError(RuntimeError):
@@ -69,6 +79,32 @@ class Summary:
         ]
 
 
+@dataclass
+class Progress:
+    """What the loop carries from step to step. `step` and `skipped_steps` survive a resume (they are
+    in the checkpoint); the rest starts afresh."""
+
+    step: int = 0  # optimizer steps done
+    skipped_steps: int = 0  # updates skipped because the loss or gradient norm was not finite
+    bad_in_a_row: int = 0
+    last_saved: int | None = None  # step of the newest checkpoint of this run
+    recent_losses: list[float] = field(default_factory=list)  # the last 10 finite losses (summary)
+    interval_losses: list[float] = field(default_factory=list)  # finite losses since the last metrics row
+    val_loss: float = math.nan
+
+
+@dataclass
+class StepResult:
+    """One optimizer step as every rank agrees on it (after the step's all-reduce)."""
+
+    loss: float  # mean over micro-batches and data-parallel ranks
+    skipped: bool  # DeepSpeed dropped the update (non-finite gradient norm) or the loss is not finite
+    preempt: bool  # some rank was signalled
+    lr: float
+    window: int | None
+    tokens_per_s: float
+
+
 def choose_run_directory(cfg: Config, fresh: bool, resume: bool) -> tuple[Path, bool]:
     """(directory, whether to resume). A directory with checkpoints is resumed automatically; one
     with files but no checkpoint is refused; `fresh` starts a new run beside it (name-2, name-3, ...);
@@ -89,8 +125,246 @@ def choose_run_directory(cfg: Config, fresh: bool, resume: bool) -> tuple[Path, 
     if resume:
         raise RunDirError(f"{base}: no checkpoint to resume from")
     if not empty(base):
-        raise RunDirError(f"{base}: holds files but no checkpoint; pass --fresh to start a new run beside it, or set run.name")
+        raise RunDirError(
+            f"{base}: holds files but no checkpoint; pass --fresh to start a new run beside it, or set run.name"
+        )
     return base, False
+
+
+class Trainer:
+    """One run of `megabam train` on this rank (every rank builds one; they step together)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, resuming: bool):
+        self.cfg, self.run_dir = cfg, run_dir
+        init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        setup_logging(self.rank)
+        self.topology = build_topology(cfg.parallel.tensor, cfg.parallel.pipeline)
+        dist.barrier()  # every rank has chosen the directory before rank 0 writes into it
+
+        data = build_training_data(cfg, self.rank)
+        self.tokenizer = Tokenizer(data.tokenizer_path)
+        self.passkey_lengths = cfg.eval.passkey_lengths or [cfg.data.seq_len]
+        _check_passkey_lengths(self.tokenizer, self.passkey_lengths if cfg.eval.passkey_samples else [])
+        self.engine = build_engine(cfg, self.topology)
+        checkpoint.use_weights_only_loading(self.engine.deepspeed)
+        # Tensor- and pipeline-parallel peers (consecutive ranks) read identical samples.
+        loader = dict(
+            micro_batch_size=cfg.train.micro_batch_size,
+            seed=cfg.run.seed,
+            vocab_size=cfg.model.vocab_size,
+            replication=self.topology.layout.replication,
+        )
+        self.train_loader = build_loader(data.train, shuffle=True, num_workers=cfg.data.num_workers, **loader)
+        self.val_loader = build_loader(data.val, shuffle=False, num_workers=0, **loader)
+        self.batches = _endless(self.train_loader)
+        # SWA layers get a window drawn per step (a pure function of seed and step: same on every rank).
+        has_swa = "swa" in expand_pattern(cfg.model.layer_pattern)
+        self.sampler = WindowSampler(cfg.window, cfg.run.seed, cfg.train.steps) if has_swa else None
+        if self.sampler is not None:
+            log.info(self.sampler.describe())
+
+        self.progress = Progress()
+        wandb_id = None
+        if resuming:
+            meta = self._resume()
+            self.progress = Progress(step=meta.step, skipped_steps=meta.skipped_steps, last_saved=meta.step)
+            wandb_id = meta.wandb_id
+        if self.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "config.yaml")
+            shutil.copyfile(data.tokenizer_path, run_dir / "tokenizer.model")
+            _truncate_metrics(run_dir / "metrics.jsonl", self.progress.step)
+        dist.barrier()
+        self.logger = RunLogger(cfg, run_dir, self.progress.step, wandb_id, enabled=self.rank == 0)
+        self.tokens_per_step = (
+            cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_len * self.topology.dp_size
+        )
+        self.peak_tflops = peak_tflops(cfg.logging)
+
+    def _resume(self) -> CheckpointMeta:
+        """Load the newest valid checkpoint after checking that the config change is allowed."""
+        root = checkpoint.checkpoint_root(self.run_dir)
+        tag = checkpoint.find_valid(self.run_dir, log.info)
+        if tag is None:
+            raise RunDirError(f"{root}: no usable checkpoint to resume from")
+        saved = checkpoint.read_meta(self.run_dir, tag)
+        refused, accepted = config_changes(saved.config, asdict(self.cfg))
+        if refused:
+            raise ConfigError("<resume>", "config", f"cannot resume {root / tag} with changed " + "; ".join(refused))
+        for line in accepted:
+            log.info(f"resume: accepted config change {line}")
+        t0 = time.perf_counter()
+        meta = checkpoint.load(self.engine.deepspeed, self.run_dir, tag)
+        self.train_loader.load_state_dict(meta.loader)
+        if self.sampler is not None and meta.window_sampler:
+            try:
+                self.sampler.load_state_dict(meta.window_sampler)
+            except ValueError as e:  # its config keys were accepted above; the windows drawn from here on change
+                log.info(f"resume: {e}")
+        log.info(f"resumed from {root / tag} at step {meta.step} (loaded in {time.perf_counter() - t0:.2f} s)")
+        return meta
+
+    def train_step(self, preemption: PreemptionFlag) -> StepResult:
+        """One optimizer step; one collective agrees on its loss, whether the update was applied and
+        whether any rank was signalled."""
+        cfg, engine, step = self.cfg, self.engine, self.progress.step
+        t0 = time.perf_counter()
+        lr = engine.current_lr()
+        window = self.sampler.window(step) if self.sampler is not None else None
+        micro_batches = [
+            {k: v.to(engine.device) for k, v in next(self.batches).items()} for _ in range(cfg.train.grad_accum)
+        ]
+        loss_sum = engine.step(micro_batches, window)
+        # DeepSpeed skips an update whose gradient norm is not finite, on every rank alike.
+        flags = torch.tensor(
+            [not engine.deepspeed.was_step_applied(), preemption.requested], dtype=torch.float64, device=engine.device
+        )
+        stats = torch.cat([loss_sum.reshape(1), flags])  # built on the device: no sync before the collective
+        dist.all_reduce(stats)
+        # Tensor-parallel peers hold the same loss, so the mean over all ranks is the data-parallel mean.
+        loss = stats[0].item() / (cfg.train.grad_accum * self.world)
+        self.progress.step = step + 1
+        return StepResult(
+            loss=loss,
+            skipped=bool(stats[1] > 0) or not math.isfinite(loss),
+            preempt=bool(stats[2] > 0),
+            lr=lr,
+            window=window,
+            tokens_per_s=self.tokens_per_step / (time.perf_counter() - t0),
+        )
+
+    def record(self, result: StepResult) -> None:
+        """Progress bar, window and bad-step bookkeeping, and every log_every steps a metrics row."""
+        cfg, p, done = self.cfg, self.progress, self.progress.step
+        self.logger.step(done, result.loss, result.tokens_per_s, result.lr)
+        if result.window is not None:
+            self.logger.log(done, {"window": result.window})
+        if result.skipped:
+            p.skipped_steps += 1
+            p.bad_in_a_row += 1
+            log.info(f"step {done}: non-finite loss or gradient norm, update skipped ({p.bad_in_a_row} in a row)")
+            self.logger.log(done, {"skipped_steps": p.skipped_steps})
+            if cfg.train.max_bad_steps and p.bad_in_a_row >= cfg.train.max_bad_steps:
+                root = checkpoint.checkpoint_root(self.run_dir)
+                good = root / checkpoint.tag_for(p.last_saved) if p.last_saved else "none"
+                raise TooManyBadSteps(
+                    f"{p.bad_in_a_row} consecutive steps with a non-finite loss or gradient norm "
+                    f"(last at step {done}); last good checkpoint: {good}"
+                )
+        else:
+            p.bad_in_a_row = 0
+            p.recent_losses = (p.recent_losses + [result.loss])[-10:]
+            p.interval_losses.append(result.loss)
+        if p.interval_losses and (done % cfg.logging.log_every == 0 or done == cfg.train.steps):
+            # the mean over the interval: one step's loss swings with its batch's mix of documents
+            engine = self.engine
+            metrics = {
+                "loss": sum(p.interval_losses) / len(p.interval_losses),
+                "lr": result.lr,
+                "grad_norm": float(engine.deepspeed.get_global_grad_norm() or 0.0),
+                "tokens_per_s": result.tokens_per_s,
+                "tokens": done * self.tokens_per_step,
+                "tflops_per_device": result.tokens_per_s * engine.flops_per_token / self.world / 1e12,
+            }
+            if self.peak_tflops:
+                metrics["mfu"] = metrics["tflops_per_device"] / self.peak_tflops
+            metrics.update(engine.head_parameters())
+            self.logger.log(done, metrics)
+            p.interval_losses = []
+
+    def evaluate(self) -> float:
+        """Mean validation loss over the first train.eval_batches batches, averaged over data-parallel ranks."""
+        device = self.engine.device
+        batches = [
+            {k: v.to(device) for k, v in b.items()}
+            for b in itertools.islice(self.val_loader, self.cfg.train.eval_batches)
+        ]
+        self.progress.val_loss = self.engine.mean_loss(batches)
+        self.logger.log(self.progress.step, {"val_loss": self.progress.val_loss})
+        return self.progress.val_loss
+
+    def save_checkpoint(self) -> Path:
+        """Collective: a checkpoint of the current step."""
+        cfg, p, step = self.cfg, self.progress, self.progress.step
+        t0 = time.perf_counter()
+        meta = CheckpointMeta(
+            step=step,
+            tokens=step * self.tokens_per_step,
+            samples=step * self.tokens_per_step // cfg.data.seq_len,
+            loader=self.train_loader.state_dict(),
+            config=asdict(cfg),
+            skipped_steps=p.skipped_steps,
+            tokenizer=str(self.run_dir / "tokenizer.model"),
+            wandb_id=self.logger.wandb_id,
+            window_sampler=self.sampler.state_dict() if self.sampler is not None else None,
+        )
+        path = checkpoint.save(self.engine.deepspeed, self.run_dir, meta, keep=cfg.checkpoint.keep)
+        p.last_saved = step
+        self.logger.log(step, {"checkpoint_save_s": time.perf_counter() - t0})
+        log.info(f"saved {path} in {time.perf_counter() - t0:.2f} s")
+        return path
+
+    def run(self) -> Summary:
+        cfg, p = self.cfg, self.progress
+        start_step = p.step
+        t_start = time.perf_counter()
+        with PreemptionFlag() as preemption:
+            while p.step < cfg.train.steps:
+                result = self.train_step(preemption)
+                self.record(result)
+                done = p.step
+                if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
+                    self.evaluate()
+                # No periodic save inside a streak of bad steps: pruning must not push out the last good one.
+                periodic = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps
+                if periodic and p.bad_in_a_row == 0:
+                    self.save_checkpoint()
+                if result.preempt:
+                    if p.last_saved != done:
+                        self.save_checkpoint()
+                    who = preemption.signal_name or "signal on another rank"
+                    log.info(f"preempted ({who}) after step {done}; checkpoint saved")
+                    raise Preempted(done)
+        return self.finish(time.perf_counter() - t_start, start_step)
+
+    def finish(self, wall: float, start_step: int) -> Summary:
+        """The last checkpoint, the passkey score, the loss plot and the summary."""
+        cfg, p = self.cfg, self.progress
+        if p.last_saved != cfg.train.steps:
+            self.save_checkpoint()  # a resumed run that had already reached its end
+        passkey = {}
+        # Every tensor-parallel rank and pipeline stage of the first data-parallel replica takes part.
+        if cfg.eval.passkey_samples and self.topology.dp_rank == 0:
+            engine = self.engine.deepspeed
+            engine.eval()
+            for n in self.passkey_lengths:
+                passkey[n] = passkey_accuracy(
+                    self.engine.predict, self.tokenizer, n, cfg.eval.passkey_samples, cfg.run.seed, self.engine.device
+                )
+            engine.train()
+            self.logger.log(cfg.train.steps, {f"passkey_{n}": acc for n, acc in passkey.items()})
+        dist.barrier()
+        if self.rank == 0:
+            plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+        steps_run = cfg.train.steps - start_step
+        return Summary(
+            run_dir=str(self.run_dir),
+            steps=cfg.train.steps,
+            tokens=cfg.train.steps * self.tokens_per_step,
+            wall_s=wall,
+            tokens_per_s=steps_run * self.tokens_per_step / wall if steps_run else 0.0,
+            final_loss=sum(p.recent_losses) / len(p.recent_losses) if p.recent_losses else math.nan,
+            val_loss=p.val_loss,
+            params=self.engine.params,
+            skipped_steps=p.skipped_steps,
+            checkpoint=str(checkpoint.checkpoint_root(self.run_dir) / checkpoint.tag_for(cfg.train.steps)),
+            loss_plot=str(self.run_dir / "loss.png"),
+            passkey=passkey,
+        )
+
+    def close(self) -> None:
+        self.logger.close()
 
 
 def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
@@ -100,191 +374,11 @@ def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
     # ~100x slower than normal floats; flushing them to zero changes no result that matters.
     torch.set_flush_denormal(True)
     run_dir, resuming = choose_run_directory(cfg, fresh, resume)
-    init_distributed()
-    rank = dist.get_rank()
-    topology = build_topology(cfg)
-    dist.barrier()  # every rank has chosen the directory before rank 0 writes into it
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
-    say = print if rank == 0 else (lambda *_: None)
-
-    data = _build_data(cfg, rank)
-    tokenizer = Tokenizer(data.tokenizer_path)
-    passkey_lengths = cfg.eval.passkey_lengths or [cfg.data.seq_len]
-    _check_passkey_lengths(tokenizer, passkey_lengths if cfg.eval.passkey_samples else [])
-    trained = build_engine(cfg, topology)
-    engine = trained.engine
-    checkpoint.use_weights_only_loading(engine)
-    # Tensor- and pipeline-parallel peers (consecutive ranks) read identical samples.
-    replication = topology.layout.replication
-    train_loader = build_loader(data.train, micro_batch_size=cfg.train.micro_batch_size, shuffle=True,
-                                seed=cfg.run.seed, num_workers=cfg.data.num_workers, vocab_size=cfg.model.vocab_size,
-                                replication=replication)
-    val_loader = build_loader(data.val, micro_batch_size=cfg.train.micro_batch_size, shuffle=False,
-                              seed=cfg.run.seed, num_workers=0, vocab_size=cfg.model.vocab_size,
-                              replication=replication)
-
-    # SWA layers get a window drawn per step (a pure function of seed and step: same on every rank).
-    sampler = WindowSampler(cfg.window, cfg.run.seed, cfg.train.steps) if "swa" in expand_pattern(cfg.model.layer_pattern) else None
-    if sampler is not None:
-        say(sampler.describe())
-    meta = _resume(engine, train_loader, sampler, cfg, run_dir, say) if resuming else None
-    start_step = meta["step"] if meta else 0
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-        shutil.copyfile(data.tokenizer_path, run_dir / "tokenizer.model")
-        _truncate_metrics(run_dir / "metrics.jsonl", start_step)
-    dist.barrier()
-
-    log = RunLogger(cfg, run_dir, start_step, meta.get("wandb_id") if meta else None, enabled=rank == 0)
+    trainer = Trainer(cfg, run_dir, resuming)
     try:
-        with PreemptionFlag() as preemption:
-            return _loop(cfg, trained, topology, train_loader, val_loader, sampler, tokenizer, run_dir, meta, log,
-                         preemption, device, passkey_lengths)
+        return trainer.run()
     finally:
-        log.close()
-
-
-def _resume(engine, train_loader, sampler, cfg: Config, run_dir: Path, say) -> dict:
-    """Load the newest valid checkpoint after checking that the config change is allowed."""
-    tag = checkpoint.find_valid(run_dir, say)
-    if tag is None:
-        raise RunDirError(f"{checkpoint.checkpoint_root(run_dir)}: no usable checkpoint to resume from")
-    saved = json.loads((checkpoint.checkpoint_root(run_dir) / tag / checkpoint.META_FILE).read_text())
-    refused, accepted = config_changes(saved["config"], asdict(cfg))
-    if refused:
-        raise ConfigError("<resume>", "config", f"cannot resume {run_dir / 'checkpoints' / tag} with changed " + "; ".join(refused))
-    for line in accepted:
-        say(f"resume: accepted config change {line}")
-    t0 = time.perf_counter()
-    meta = checkpoint.load(engine, run_dir, tag)
-    train_loader.load_state_dict(meta["loader"])
-    if sampler is not None and meta.get("window_sampler"):
-        try:
-            sampler.load_state_dict(meta["window_sampler"])
-        except ValueError as e:  # its config keys were accepted above; the windows drawn from here on change
-            say(f"resume: {e}")
-    say(f"resumed from {checkpoint.checkpoint_root(run_dir) / tag} at step {meta['step']} "
-        f"(loaded in {time.perf_counter() - t0:.2f} s)")
-    return meta
-
-
-def _loop(cfg, trained, topology, train_loader, val_loader, sampler, tokenizer, run_dir, meta, log, preemption, device,
-          passkey_lengths):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    engine = trained.engine
-    start_step = meta["step"] if meta else 0
-    skipped_total = meta.get("skipped_steps", 0) if meta else 0
-    tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_len * topology.dp_size
-    peak = peak_tflops(cfg.logging)
-    batches = _endless(train_loader)
-    recent_losses: list[float] = []
-    interval_losses: list[float] = []
-    bad_in_a_row = 0
-    last_saved = start_step if meta else None
-    val_loss = math.nan
-
-    def save(step: int) -> None:
-        nonlocal last_saved
-        t0 = time.perf_counter()
-        path = checkpoint.save(engine, run_dir, step, {
-            "tokens": step * tokens_per_step, "samples": step * tokens_per_step // cfg.data.seq_len,
-            "loader": train_loader.state_dict(), "config": asdict(cfg), "skipped_steps": skipped_total,
-            "tokenizer": str(run_dir / "tokenizer.model"), "wandb_id": log.wandb_id,
-            "window_sampler": sampler.state_dict() if sampler is not None else None,
-        }, keep=cfg.checkpoint.keep)
-        last_saved = step
-        log.log(step, {"checkpoint_save_s": time.perf_counter() - t0})
-        log.write(f"saved {path} in {time.perf_counter() - t0:.2f} s")
-
-    t_start = time.perf_counter()
-    for step in range(start_step, cfg.train.steps):
-        t0 = time.perf_counter()
-        lr = _current_lr(engine)
-        window = sampler.window(step) if sampler is not None else None
-        micro_batches = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(cfg.train.grad_accum)]
-        loss_sum = _train_step(trained, micro_batches, window, poison=step + 1 in cfg.train.debug_nan_steps)
-        # One collective per step: the loss, whether DeepSpeed applied the update (it skips one
-        # whose gradient norm is not finite, on every rank alike), and whether any rank was signalled.
-        flags = torch.tensor([not engine.was_step_applied(), preemption.requested], dtype=torch.float64, device=device)
-        stats = torch.cat([loss_sum.reshape(1), flags])  # built on the device: no sync before the collective
-        dist.all_reduce(stats)
-        # Tensor-parallel peers hold the same loss, so the mean over all ranks is the data-parallel mean.
-        loss_value = stats[0].item() / (cfg.train.grad_accum * world)
-        done = step + 1
-        step_s = time.perf_counter() - t0
-        tokens_per_s = tokens_per_step / step_s
-        log.step(done, loss_value, tokens_per_s, lr)
-        if window is not None:
-            log.log(done, {"window": window})
-
-        if stats[1] > 0 or not math.isfinite(loss_value):
-            skipped_total += 1
-            bad_in_a_row += 1
-            log.write(f"step {done}: non-finite loss or gradient norm, update skipped ({bad_in_a_row} in a row)")
-            log.log(done, {"skipped_steps": skipped_total})
-            if cfg.train.max_bad_steps and bad_in_a_row >= cfg.train.max_bad_steps:
-                good = checkpoint.checkpoint_root(run_dir) / checkpoint.tag_for(last_saved) if last_saved else "none"
-                raise TooManyBadSteps(f"{bad_in_a_row} consecutive steps with a non-finite loss or gradient norm "
-                                      f"(last at step {done}); last good checkpoint: {good}")
-        else:
-            bad_in_a_row = 0
-            recent_losses = (recent_losses + [loss_value])[-10:]
-            interval_losses.append(loss_value)
-
-        if interval_losses and (done % cfg.logging.log_every == 0 or done == cfg.train.steps):
-            # the mean over the interval: one step's loss swings with its batch's mix of documents
-            metrics = {"loss": sum(interval_losses) / len(interval_losses), "lr": lr,
-                       "grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                       "tokens_per_s": tokens_per_s, "tokens": done * tokens_per_step,
-                       "tflops_per_device": tokens_per_s * trained.flops_per_token / world / 1e12}
-            if peak:
-                metrics["mfu"] = metrics["tflops_per_device"] / peak
-            metrics.update(_head_parameters(trained, topology))
-            log.log(done, metrics)
-            interval_losses = []
-        if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
-            val_loss = evaluate(trained, val_loader, cfg.train.eval_batches, device)
-            log.log(done, {"val_loss": val_loss})
-        # No periodic save inside a streak of bad steps: pruning must not push out the last good one.
-        periodic = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.train.steps
-        if periodic and bad_in_a_row == 0:
-            save(done)
-        if stats[2] > 0:
-            if last_saved != done:
-                save(done)
-            log.write(f"preempted ({preemption.signal_name or 'signal on another rank'}) after step {done}; checkpoint saved")
-            raise Preempted(done)
-    wall = time.perf_counter() - t_start
-    if last_saved != cfg.train.steps:
-        save(cfg.train.steps)  # a resumed run that had already reached its end
-
-    passkey = {}
-    # Every tensor-parallel rank and pipeline stage of the first data-parallel replica takes part.
-    if cfg.eval.passkey_samples and topology.dp_rank == 0:
-        engine.eval()
-        for n in passkey_lengths:
-            passkey[n] = passkey_accuracy(trained.predict, tokenizer, n, cfg.eval.passkey_samples, cfg.run.seed, device)
-        engine.train()
-        log.log(cfg.train.steps, {f"passkey_{n}": acc for n, acc in passkey.items()})
-    dist.barrier()
-    if rank == 0:
-        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    steps_run = cfg.train.steps - start_step
-    return Summary(
-        run_dir=str(run_dir), steps=cfg.train.steps, tokens=cfg.train.steps * tokens_per_step, wall_s=wall,
-        tokens_per_s=steps_run * tokens_per_step / wall if steps_run else 0.0,
-        final_loss=sum(recent_losses) / len(recent_losses) if recent_losses else math.nan, val_loss=val_loss,
-        params=trained.params, skipped_steps=skipped_total,
-        checkpoint=str(checkpoint.checkpoint_root(run_dir) / checkpoint.tag_for(cfg.train.steps)),
-        loss_plot=str(run_dir / "loss.png"), passkey=passkey,
-    )
-
-
-def _current_lr(engine) -> float:
-    """The peak-relative learning rate this step will use (group lr divided by its multiplier)."""
-    group = engine.optimizer.param_groups[0]
-    return group["lr"] / group["lr_mult"]
+        trainer.close()
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -303,102 +397,18 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def _build_data(cfg: Config, rank: int) -> TrainingData:
-    """Streams and tokenizer of the run. data.source=default: rank 0 builds (or finds cached) the
-    default dataset, the others then read the cache. data.source=mds: the prepared datasets of
-    data.streams, refused (ConfigError) if the tokenizer or the datasets disagree with the config."""
-    if cfg.data.source == "mds":
-        try:
-            return prepared_mixture(cfg.data.streams, cfg.data.tokenizer, cfg.model.vocab_size, cfg.data.seq_len,
-                                    verify_hashes=cfg.data.verify_hashes)
-        except DataError as e:
-            raise ConfigError("<config>", "data", str(e)) from None
-    cache_root = Path(cfg.data.cache_dir or os.environ.get("MEGABAM_CACHE") or "~/.cache/megabam").expanduser()
-
-    def build():
-        return build_default_dataset(
-            cache_root, sample_len=cfg.data.seq_len + 1, vocab_size=cfg.model.vocab_size,
-            corpus_bytes=cfg.data.corpus_bytes, passkey_fraction=cfg.data.passkey_fraction,
-            val_fraction=cfg.data.val_fraction, seed=cfg.run.seed,
-        )
-
-    data = build() if rank == 0 else None
-    dist.barrier()
-    data = data if data is not None else build()
-    return single_dataset(data.train_dir, data.val_dir, data.tokenizer_path)
-
-
 def _check_passkey_lengths(tokenizer: Tokenizer, lengths: list[int]) -> None:
     """Refuse, before training, passkey lengths too short for the prompt under this tokenizer."""
     for i, n in enumerate(lengths):
         try:
             passkey_sample(tokenizer, n - 8, 0.0, "12345")  # 8: room for the key's tokens
         except ValueError:
-            raise ConfigError("<config>", f"eval.passkey_lengths[{i}]", f"{n} tokens cannot hold a passkey prompt") from None
+            raise ConfigError(
+                "<config>", f"eval.passkey_lengths[{i}]", f"{n} tokens cannot hold a passkey prompt"
+            ) from None
 
 
 def _endless(loader) -> Iterator[dict]:
     """Batches across epoch boundaries; each pass over the streaming loader is one epoch."""
     while True:
         yield from loader
-
-
-def _head_parameters(trained: TrainingModel, topology) -> dict[str, float]:
-    """Per-head prior and SSMax values of every layer this rank's pipeline holds (collective over the
-    pipeline group; each stage knows its own layers). Under TP, this tensor rank's heads."""
-    mine = head_parameters(trained.local_blocks())
-    if topology.pp_size == 1:
-        return mine
-    stages: list = [None] * topology.pp_size
-    dist.all_gather_object(stages, mine, group=topology.pp_group)
-    return {key: value for stage in stages for key, value in stage.items()}
-
-
-def _train_step(trained: TrainingModel, micro_batches: list[dict], window, poison: bool) -> torch.Tensor:
-    """One optimizer step over the micro-batches; returns their losses summed (float64). Under
-    pipeline parallelism the engine returns the mean over the micro-batches and data-parallel ranks
-    on every rank, so the sum is that mean times the number of micro-batches."""
-    engine = trained.engine
-    if trained.pipeline is not None:
-        trained.pipeline.window, trained.pipeline.poison_loss = window, poison
-        loss = engine.train_batch(iter([_pipeline_batch(b) for b in micro_batches]))
-        return loss.detach().double() * len(micro_batches)
-    loss_sum = torch.zeros((), device=micro_batches[0]["input_ids"].device, dtype=torch.float64)
-    for batch in micro_batches:
-        loss = engine(batch["input_ids"], batch["labels"], batch["doc_ids"], window)
-        if poison:
-            loss = loss * math.nan
-        engine.backward(loss)
-        engine.step()
-        loss_sum += loss.detach().double()
-    return loss_sum
-
-
-def _pipeline_batch(batch: dict) -> tuple:
-    """A micro-batch as DeepSpeed's pipeline engine takes it: (first stage's inputs, last stage's labels)."""
-    return (batch["input_ids"], batch["doc_ids"]), batch["labels"]
-
-
-@torch.no_grad()
-def evaluate(trained: TrainingModel, loader, max_batches: int, device: torch.device) -> float:
-    """Mean validation loss over the first `max_batches` batches, averaged over data-parallel ranks."""
-    engine = trained.engine
-    batches = [{k: v.to(device) for k, v in b.items()} for b in itertools.islice(loader, max_batches)]
-    if trained.pipeline is not None:
-        # Every stage must run the same number of micro-batches: the fewest any rank has.
-        count = torch.tensor([len(batches)], device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MIN)
-        batches = batches[:int(count)]
-        if not batches:
-            return math.nan
-        trained.pipeline.window, trained.pipeline.poison_loss = None, False
-        loss = engine.eval_batch(iter([_pipeline_batch(b) for b in batches]), num_micro_batches=len(batches))
-        return float(loss)
-    engine.eval()
-    total = torch.zeros(2, device=device)
-    for batch in batches:
-        total[0] += engine(batch["input_ids"], batch["labels"], batch["doc_ids"]).float()
-        total[1] += 1
-    engine.train()
-    dist.all_reduce(total)
-    return (total[0] / total[1]).item() if total[1] > 0 else math.nan

@@ -6,9 +6,9 @@ Every rank therefore draws the same window for the same step, and a resumed run 
 the uninterrupted run would have drawn, whatever happened before. The last `anneal_fraction` of the
 steps skip the draw and use the annealing window (the largest by default).
 """
+
 import hashlib
 import struct
-from typing import Optional
 
 from megabam.config.schema import WindowConfig
 
@@ -48,23 +48,34 @@ class WindowSampler:
 
     def state_dict(self) -> dict:
         """Everything the draw depends on; the sampler holds no other state."""
-        return {"windows": self.windows, "probabilities": self.probabilities, "anneal_fraction": self.anneal_fraction,
-                "anneal_window": self.anneal_window, "seed": self.seed, "total_steps": self.total_steps}
+        return {
+            "windows": self.windows,
+            "probabilities": self.probabilities,
+            "anneal_fraction": self.anneal_fraction,
+            "anneal_window": self.anneal_window,
+            "seed": self.seed,
+            "total_steps": self.total_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Check a checkpoint's sampler against this one; a resumed run must draw the same windows."""
         mine = self.state_dict()
         differing = [k for k in mine if state.get(k) != mine[k]]
         if differing or set(state) != set(mine):
-            detail = ", ".join(f"{k}: checkpoint {state.get(k)!r} vs now {mine.get(k)!r}"
-                               for k in differing or sorted(set(state) ^ set(mine)))
+            detail = ", ".join(
+                f"{k}: checkpoint {state.get(k)!r} vs now {mine.get(k)!r}"
+                for k in differing or sorted(set(state) ^ set(mine))
+            )
             raise ValueError(f"window sampler differs from the checkpoint's ({detail})")
 
-    def describe(self, step: Optional[int] = None) -> str:
+    def describe(self, step: int | None = None) -> str:
         """One line for the log: the schedule, or the window of `step`."""
         if step is not None:
             return f"window {self.window(step)} (step {step}{', annealing' if step >= self.anneal_start else ''})"
         draw = ", ".join(f"{w} with p={p:g}" for w, p in zip(self.windows, self.probabilities))
-        anneal = (f"steps {self.anneal_start}..{self.total_steps - 1} use {self.anneal_window}"
-                  if self.anneal_start < self.total_steps else "no annealing")
+        anneal = (
+            f"steps {self.anneal_start}..{self.total_steps - 1} use {self.anneal_window}"
+            if self.anneal_start < self.total_steps
+            else "no annealing"
+        )
         return f"SWA window per step: {draw}; {anneal} (anneal_fraction={self.anneal_fraction:g}); seed {self.seed}"

@@ -1,0 +1,202 @@
+"""The streaming loader over the parallel layout: DP shares, TP/PP replicas, mixtures, remotes, resume."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megabam.data.errors import DataError
+from megabam.data.loader import build_loader
+from megabam.data.mixture import StreamSpec
+from megabam.data.packing import pack_documents
+from megabam.data.shards import write_mds
+from megabam.data.streaming_import import import_streaming
+from megabam.parallel.distributed import free_port, rank_environment
+from megabam.parallel.layout import ParallelLayout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+pytestmark = pytest.mark.usefixtures("clean_shm")
+
+
+def write_dataset(path, n_samples, sample_len, lo, hi, seed, size_limit=400):
+    """An MDS dataset whose token ids lie in [lo, hi) (so a sample tells its stream); its samples."""
+    rng = random.Random(seed)
+    docs = [[rng.randrange(lo, hi) for _ in range(rng.randrange(1, 2 * sample_len))] for _ in range(4 * n_samples)]
+    samples = list(pack_documents(docs, sample_len, eos_id=3))[:n_samples]
+    write_mds(samples, path, size_limit=size_limit)
+    return samples
+
+
+# Each rank: join a gloo group, read with the given settings, save its input rows; optionally
+# save the loader state after `stop_after` batches, or start from a saved state.
+_RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from megabam.data.loader import build_loader
+    from megabam.data.mixture import StreamSpec
+
+    args = json.loads(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    loader = build_loader([StreamSpec(**s) for s in args["streams"]], micro_batch_size=args["batch"],
+                          shuffle=True, seed=11, replication=args["replication"], num_workers=args["workers"])
+    if args.get("state_in"):
+        loader.load_state_dict(json.load(open(args["state_in"])))
+    rows = []
+    for i, batch in enumerate(loader):
+        rows.append(batch["input_ids"].numpy())
+        if i + 1 == args.get("stop_after"):  # the state after `stop_after` batches, as a checkpoint saves it
+            json.dump(loader.state_dict(), open(f"{args['out']}/state{rank}.json", "w"))
+    np.save(f"{args['out']}/rank{rank}.npy", np.concatenate(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def run_ranks(world, args):
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, **rank_environment(rank, world, port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, json.dumps(args)], env=env, cwd=REPO))
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    import_streaming().base.util.clean_stale_shared_memory()
+    return [np.load(Path(args["out"]) / f"rank{r}.npy") for r in range(world)]
+
+
+def rows_of(array):
+    return [tuple(row) for row in array]
+
+
+def test_layout_rank_order():
+    layout = ParallelLayout(data=2, tensor=2, pipeline=3)
+    assert layout.world_size == 12 and layout.replication == 6
+    ranks = [layout.rank(dp, pp, tp) for dp in range(2) for pp in range(3) for tp in range(2)]
+    assert ranks == list(range(12))  # TP fastest, then PP, then DP
+    assert all(layout.coordinates(layout.rank(*c)) == c for c in [(1, 2, 1), (0, 1, 0), (1, 0, 1)])
+
+
+def test_2x2_layout_dp_ranks_disjoint_tp_peers_identical(tmp_path):
+    layout = ParallelLayout(data=2, tensor=2, pipeline=1)
+    samples = write_dataset(tmp_path / "mds", 48, 9, 4, 500, seed=0)
+    (tmp_path / "out").mkdir()
+    ranks = run_ranks(
+        layout.world_size,
+        dict(
+            streams=[{"local": str(tmp_path / "mds")}],
+            batch=4,
+            replication=layout.replication,
+            workers=0,
+            out=str(tmp_path / "out"),
+        ),
+    )
+    by_dp = {}
+    for rank, rows in enumerate(ranks):
+        dp, _, _ = layout.coordinates(rank)
+        if dp in by_dp:
+            assert np.array_equal(rows, by_dp[dp])  # tensor peers: the same samples in the same order
+        by_dp[dp] = rows
+    shares = [set(rows_of(by_dp[dp])) for dp in range(layout.data)]
+    assert len(by_dp[0]) == len(by_dp[1]) == 24
+    assert shares[0].isdisjoint(shares[1])
+    assert shares[0] | shares[1] == {tuple(s.tokens[:-1]) for s in samples}
+
+
+def test_mid_epoch_resume_in_fresh_processes_over_a_remote_mixture(tmp_path):
+    write_dataset(tmp_path / "web" / "train", 60, 9, 4, 200, seed=1)
+    write_dataset(tmp_path / "remote" / "code" / "train", 30, 9, 200, 400, seed=2)
+
+    def streams(cache):
+        return [
+            {"local": str(tmp_path / "web"), "split": "train", "weight": 2.0},
+            {
+                "local": str(tmp_path / cache),
+                "remote": str(tmp_path / "remote" / "code"),
+                "split": "train",
+                "weight": 1.0,
+            },
+        ]
+
+    stop_after, batch = 3, 4
+    for phase in ("whole", "resumed"):
+        (tmp_path / phase).mkdir()
+    whole = run_ranks(
+        2,
+        dict(
+            streams=streams("cache_a"),
+            batch=batch,
+            replication=1,
+            workers=1,
+            stop_after=stop_after,
+            out=str(tmp_path / "whole"),
+        ),
+    )
+    resumed = run_ranks(
+        2,
+        dict(
+            streams=streams("cache_b"),
+            batch=batch,
+            replication=1,
+            workers=1,
+            state_in=str(tmp_path / "whole" / "state0.json"),
+            out=str(tmp_path / "resumed"),
+        ),
+    )
+    for rank in range(2):
+        assert len(whole[rank]) > (stop_after + 2) * batch
+        assert np.array_equal(resumed[rank], whole[rank][stop_after * batch :])
+    # the remote stream was fetched into the local cache and mixed in
+    assert (tmp_path / "cache_a" / "train" / "index.json").exists()
+    assert any(row.max() >= 200 for rows in whole for row in rows)
+
+
+def test_mixture_proportions_and_repeats(tmp_path):
+    a = write_dataset(tmp_path / "a", 300, 9, 4, 200, seed=3)
+    b = write_dataset(tmp_path / "b", 100, 9, 200, 400, seed=4)
+
+    def count_b(streams):
+        loader = build_loader(streams, micro_batch_size=5, shuffle=True, seed=0)
+        rows = np.concatenate([batch["input_ids"].numpy() for batch in loader])
+        return len(rows), int((rows.max(axis=1) >= 200).sum())
+
+    # weights 1:3 → a quarter of the epoch (of default size len(a) + len(b) = 400) from b
+    total, from_b = count_b([StreamSpec(str(tmp_path / "a"), weight=3.0), StreamSpec(str(tmp_path / "b"), weight=1.0)])
+    assert total == 400 and abs(from_b / total - 0.25) <= 0.01
+    import_streaming().base.util.clean_stale_shared_memory()
+    total, from_b = count_b([StreamSpec(str(tmp_path / "a"), repeat=1.0), StreamSpec(str(tmp_path / "b"), repeat=2.0)])
+    assert (total, from_b) == (len(a) + 2 * len(b), 2 * len(b))
+
+
+def test_loader_refuses_token_ids_beyond_the_vocabulary(tmp_path):
+    write_dataset(tmp_path / "mds", 8, 9, 4, 500, seed=5)
+    with pytest.raises(DataError, match="outside the vocabulary of 300"):
+        list(build_loader(tmp_path / "mds", micro_batch_size=4, shuffle=False, seed=0, vocab_size=300))
+
+
+def test_corrupted_remote_shard_raises_instead_of_ending_the_epoch(tmp_path):
+    write_dataset(tmp_path / "remote" / "train", 60, 9, 4, 500, seed=6)
+    shard = sorted((tmp_path / "remote" / "train").glob("shard.*"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    loader = build_loader(
+        [StreamSpec(str(tmp_path / "cache"), remote=str(tmp_path / "remote"), split="train")],
+        micro_batch_size=4,
+        shuffle=False,
+        seed=0,
+    )
+    with pytest.raises(DataError, match="Checksum failure"):
+        list(loader)

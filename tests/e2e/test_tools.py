@@ -1,0 +1,22 @@
+"""The tools/ scripts run end to end on CPU."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_dry_run():
+    """tools/bench_kernels.py (for the GPU) runs its whole path, attention (GQA too) and mLSTM, at tiny
+    shapes on CPU."""
+    done = subprocess.run(
+        [sys.executable, "tools/bench_kernels.py", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "check bam dv: max rel err" in done.stdout and "| 48 | 16 | fwd+bwd | bam |" in done.stdout
+    assert "check bam gqa 4/2 dk: max rel err" in done.stdout
+    assert "| 48 | causal | fwd+bwd | bam gqa 4/2 |" in done.stdout
+    assert "| 48 | causal | fwd+bwd | sdpa gqa 4/2 |" in done.stdout
+    assert "check mlstm bfloat16 df: max rel err" in done.stdout
+    assert "| 40 | fwd+bwd | triton | bfloat16 |" in done.stdout

@@ -1,0 +1,1 @@
+"""Helpers shared by the unit and end-to-end tests (not tests themselves)."""

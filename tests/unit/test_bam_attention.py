@@ -1,0 +1,296 @@
+"""kernels.bam_attention against a dense float64 reference written from the formula (methods.md §1)."""
+
+import math
+
+import pytest
+import torch
+
+import megabam.kernels.bam_attention as bam
+from megabam.kernels.bam_attention import bam_attention
+
+B, H, N, D, BLOCK = 2, 3, 37, 8, 16  # N not a multiple of BLOCK on purpose
+
+
+def dense_reference(q, k, v, alpha=None, beta=None, mu=None, s=None, before_prior=False, doc_ids=None, window=None):
+    """Full N x N float64 BAM attention; autograd gives its gradients."""
+    n = q.shape[-2]
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    allowed = (j <= i) & ((j > i - window) if window is not None else True)
+    allowed = allowed.expand(q.shape[0], n, n)
+    if doc_ids is not None:
+        allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    qk = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    prior = 0
+    if alpha is not None:
+        m = 2 * torch.sinh(mu) if mu is not None else torch.zeros_like(alpha)
+        d = (j - i) - m[:, None, None]
+        prior = -torch.exp(alpha)[:, None, None] * (d.abs() + 1e-5) ** beta[:, None, None]
+    logits = qk + prior
+    if s is not None:
+        c = s[None, :, None, None] * torch.log(allowed.sum(-1).double())[:, None, :, None]
+        logits = qk * c + prior if before_prior else logits * c
+    return torch.softmax(logits.masked_fill(~allowed[:, None], -math.inf), -1) @ v
+
+
+def make_inputs(dtype, seed=0, n=N, wide=False):
+    g = torch.Generator().manual_seed(seed)
+
+    def u(lo, hi, *shape):
+        return (lo + (hi - lo) * torch.rand(*shape, generator=g, dtype=torch.float64)).to(dtype)
+
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+    if wide:  # the NaN-safety ranges
+        theta = u(-8, 4, H), u(-4, 4, H), u(-2, 2, H), u(0.1, 3, H)
+    else:  # one inverted (β<0), one heavy-tailed (0<β<1) and one super-Laplace (β>1) head
+        theta = u(-3, 0, H), torch.tensor([-0.7, 0.5, 1.6], dtype=dtype), u(-0.5, 0.5, H), u(0.5, 1.5, H)
+    return [t.requires_grad_() for t in (q, k, v, *theta)]
+
+
+DOCS = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [5] * 3 + [6] * 34])
+
+
+def run_both(dtype, ssmax, doc, window, seed=0):
+    """Outputs and grads (q, k, v, θα, θβ, θμ, s) of the tiled op and of the float64 reference."""
+    ins = make_inputs(dtype, seed)
+    doc_ids = DOCS if doc else None
+    s = ins[6] if ssmax else None
+    out = bam_attention(
+        *ins[:3],
+        theta_alpha=ins[3],
+        theta_beta=ins[4],
+        theta_mu=ins[5],
+        ssmax_s=s,
+        ssmax_before_prior=ssmax == "before",
+        doc_ids=doc_ids,
+        window=window,
+        block_size=BLOCK,
+    )
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    wrt = ins if ssmax else ins[:6]
+    grads = torch.autograd.grad(out, wrt, dout.to(dtype))
+    ref_ins = [t.detach().double().requires_grad_() for t in ins]
+    ref = dense_reference(
+        *ref_ins[:6], s=ref_ins[6] if ssmax else None, before_prior=ssmax == "before", doc_ids=doc_ids, window=window
+    )
+    ref_grads = torch.autograd.grad(ref, ref_ins if ssmax else ref_ins[:6], dout)
+    return (out, *grads), (ref, *ref_grads)
+
+
+def assert_close(got, want, tol):
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dalpha", "dbeta", "dmu", "ds"], got, want):
+        err = (a.double() - b).abs().max().item()
+        assert err <= tol * (1 + b.abs().max().item()), f"{name}: max err {err:.3g}"
+
+
+@pytest.mark.parametrize("window", [None, 1, 7, 64])
+@pytest.mark.parametrize("doc", [False, True])
+@pytest.mark.parametrize("ssmax", [None, "after", "before"])
+def test_matches_dense_reference(ssmax, doc, window):
+    got, want = run_both(torch.float64, ssmax, doc, window)
+    assert got[0].dtype == torch.float64
+    assert_close(got, want, 1e-10)
+    got, want = run_both(torch.float32, ssmax, doc, window, seed=1)
+    assert got[0].dtype == torch.float32
+    assert_close(got, want, 1e-4)
+
+
+def test_low_precision_inputs_return_their_dtype():
+    ins = make_inputs(torch.float64)
+    kw = dict(theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5], ssmax_s=ins[6], block_size=BLOCK)
+    ref = bam_attention(*ins[:3], **kw)
+    for dtype in (torch.bfloat16, torch.float16):
+        out = bam_attention(*(t.detach().to(dtype) for t in ins[:3]), **kw)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), ref.detach(), atol=3e-2, rtol=3e-2)
+
+
+def prior_values(alpha, beta, mu=0.0, n=N):
+    """The kernel's prior (1 head) for all (i, j), as float64."""
+    t = [torch.tensor([x], dtype=torch.float64) for x in (alpha, beta, mu)]
+    p = bam.BamParams(*t, None, False, 1.0)
+    ar = torch.arange(n)
+    return bam.prior_terms(p, (ar[None, :] - ar[:, None]).flatten())[0][0].view(n, n)
+
+
+@pytest.mark.parametrize("beta", [0.3, 0.9, -0.5, -3.0, 2.5])
+def test_prior_values(beta):
+    alpha, mu = -0.4, 0.3
+    got = prior_values(alpha, beta, mu)
+    m = 2 * math.sinh(mu)
+    want = torch.tensor(
+        [[-math.exp(alpha) * (abs(j - i - m) + 1e-5) ** beta for j in range(N)] for i in range(N)], dtype=torch.float64
+    )
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+def test_negative_beta_diagonal_is_finite_and_most_suppressed():
+    p = prior_values(0.0, -2.0)
+    assert torch.isfinite(p).all()
+    assert torch.allclose(p.diagonal(), torch.tensor(-((1e-5) ** -2.0), dtype=torch.float64))
+    off_diagonal = p.masked_fill(torch.eye(N, dtype=torch.bool), math.inf)
+    assert (p.diagonal()[:, None] < off_diagonal).all()  # inverted: self is the least likely key
+
+
+def test_beta_one_is_alibi_and_beta_zero_is_nope():
+    q, k, v = make_inputs(torch.float64)[:3]
+    alpha = torch.tensor([-2.0, -1.0, 0.5], dtype=torch.float64)
+    one, zero = torch.ones(H, dtype=torch.float64), torch.zeros(H, dtype=torch.float64)
+    # β = 1: bias -slope·|j - i| - slope·ε, the constant vanishing in the softmax.
+    n = torch.arange(N)
+    alibi = -torch.exp(alpha)[:, None, None] * (n[None, :] - n[:, None]).abs()
+    logits = (q @ k.transpose(-1, -2) / math.sqrt(D) + alibi).masked_fill(n[None] > n[:, None], -math.inf)
+    out = bam_attention(q, k, v, theta_alpha=alpha, theta_beta=one, block_size=BLOCK)
+    torch.testing.assert_close(out, torch.softmax(logits, -1) @ v, rtol=0, atol=1e-12)
+    # β = 0: constant prior, i.e. NoPE.
+    out = bam_attention(q, k, v, theta_alpha=alpha, theta_beta=zero, block_size=BLOCK)
+    torch.testing.assert_close(out, bam_attention(q, k, v, block_size=BLOCK), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("ssmax", ["after", "before"])
+def test_no_nan_for_wide_theta(dtype, ssmax):
+    for seed in range(4):
+        ins = make_inputs(dtype, seed, n=150, wide=True)
+        out = bam_attention(
+            *ins[:3],
+            theta_alpha=ins[3],
+            theta_beta=ins[4],
+            theta_mu=ins[5],
+            ssmax_s=ins[6],
+            ssmax_before_prior=ssmax == "before",
+            window=100,
+            doc_ids=torch.arange(150).div(60, rounding_mode="floor").expand(B, -1),
+            block_size=32,
+        )
+        grads = torch.autograd.grad(out, ins, torch.randn_like(out))
+        for t in (out, *grads):
+            assert torch.isfinite(t).all()
+    # Extreme corners: β very negative (huge diagonal penalty) and θα, β large.
+    for a, b in [(4.0, -30.0), (20.0, 8.0), (-30.0, 30.0)]:
+        ins = make_inputs(dtype, n=150)
+        th = [torch.full((H,), x, dtype=dtype, requires_grad=True) for x in (a, b, 0.0)] + [ins[6]]
+        out = bam_attention(*ins[:3], theta_alpha=th[0], theta_beta=th[1], theta_mu=th[2], ssmax_s=th[3], block_size=32)
+        for t in (out, *torch.autograd.grad(out, ins[:3] + th, torch.randn_like(out))):
+            assert torch.isfinite(t).all()
+
+
+def test_gradcheck():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    theta = [
+        torch.tensor(x, dtype=torch.float64, requires_grad=True)
+        for x in ([-1.0, 0.2], [-0.6, 1.3], [0.2, -0.1], [0.8, 1.2])
+    ]
+    doc = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
+
+    def f(q, k, v, a, b, m, s):
+        return bam_attention(
+            q, k, v, theta_alpha=a, theta_beta=b, theta_mu=m, ssmax_s=s, doc_ids=doc, window=3, block_size=4
+        )
+
+    assert torch.autograd.gradcheck(f, (q, k, v, *theta))
+
+
+def test_no_grad_for_inputs_not_requiring_it():
+    q, k, v, a, b, m, s = make_inputs(torch.float64)
+    out = bam_attention(
+        q, k, v.detach(), theta_alpha=a.detach(), theta_beta=b, theta_mu=m.detach(), ssmax_s=s, block_size=BLOCK
+    )
+    out.sum().backward()
+    assert v.grad is None and a.grad is None and m.grad is None
+    assert b.grad is not None and s.grad is not None and q.grad is not None
+
+
+def test_window_bounds_key_columns(monkeypatch):
+    """With a window, each query block touches at most block + window - 1 key columns."""
+    widths, real = [], bam.block_logits
+
+    def counting(q, k, *args):
+        widths.append(k.shape[-2])
+        return real(q, k, *args)
+
+    monkeypatch.setattr(bam, "block_logits", counting)
+    n, w, blk = 200, 7, 16
+    ins = make_inputs(torch.float32, n=n)
+    out = bam_attention(*ins[:3], theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6], window=w, block_size=blk)
+    out.sum().backward()
+    assert len(widths) == 2 * math.ceil(n / blk)  # forward + backward, one call per query block
+    assert max(widths) <= blk + w - 1
+
+
+# --- grouped-query attention: k, v with H_kv | H heads ------------------------------------------
+
+
+def gqa_inputs(dtype, heads, kv_heads, seed=0):
+    """q (B, heads, N, D), k, v (B, kv_heads, N, D) and per-query-head θ with β from -0.7 (inverted)
+    to 1.6 (super-Laplace); all require grad."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, heads, N, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, kv_heads, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    alpha = -3 * torch.rand(heads, generator=g, dtype=torch.float64)
+    beta = torch.linspace(-0.7, 1.6, heads, dtype=torch.float64)
+    mu = torch.rand(heads, generator=g, dtype=torch.float64) - 0.5
+    s = 0.5 + torch.rand(heads, generator=g, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_() for t in (q, k, v, alpha, beta, mu, s)]
+
+
+@pytest.mark.parametrize("doc, window", [(False, None), (True, 7), (False, 1)])
+@pytest.mark.parametrize("ssmax", [None, "after", "before"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 1), (3, 3), (6, 3)])
+def test_gqa_matches_dense_reference_with_repeated_kv(heads, kv_heads, ssmax, doc, window):
+    """Query head h uses kv head h // (H / H_kv): the op on (B, H_kv, N, D) k, v against the dense
+    formula on k, v repeated per query head explicitly, whose dk, dv are summed over each group."""
+    group = heads // kv_heads
+    doc_ids = DOCS if doc else None
+    for dtype, tol, seed in ((torch.float64, 1e-10, 0), (torch.float32, 1e-4, 1)):
+        ins = gqa_inputs(dtype, heads, kv_heads, seed)
+        s = ins[6] if ssmax else None
+        out = bam_attention(
+            *ins[:3],
+            theta_alpha=ins[3],
+            theta_beta=ins[4],
+            theta_mu=ins[5],
+            ssmax_s=s,
+            ssmax_before_prior=ssmax == "before",
+            doc_ids=doc_ids,
+            window=window,
+            block_size=BLOCK,
+        )
+        assert out.shape == ins[0].shape and out.dtype == dtype
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        wrt = ins if ssmax else ins[:6]
+        got = [out, *torch.autograd.grad(out, wrt, dout.to(dtype))]
+        assert got[2].shape == got[3].shape == (B, kv_heads, N, D)
+
+        # The formula on explicit per-query-head copies (leaves of their own).
+        heads_kv = torch.arange(heads) // group
+        q, k, v, *theta = [t.detach().double() for t in ins]
+        ref_ins = [q, k[:, heads_kv], v[:, heads_kv], *theta]
+        ref_ins = [t.clone().requires_grad_() for t in ref_ins]
+        ref = dense_reference(
+            *ref_ins[:6],
+            s=ref_ins[6] if ssmax else None,
+            before_prior=ssmax == "before",
+            doc_ids=doc_ids,
+            window=window,
+        )
+        ref_grads = list(torch.autograd.grad(ref, ref_ins if ssmax else ref_ins[:6], dout))
+        for i in (1, 2):  # dk, dv: the sum over the query heads of each group
+            ref_grads[i] = ref_grads[i].view(B, kv_heads, group, N, D).sum(2)
+        assert_close(got, [ref, *ref_grads], tol)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, match",
+    [
+        (4, 3, "k and v have 3 heads, which does not divide q's 4 heads"),
+        (2, 4, "k and v have 4 heads, which does not divide q's 2 heads"),
+    ],
+)
+def test_gqa_rejects_head_counts_not_dividing(heads, kv_heads, match):
+    q, k, v = gqa_inputs(torch.float32, heads, kv_heads)[:3]
+    with pytest.raises(ValueError, match=match):
+        bam_attention(q, k, v)
+    with pytest.raises(ValueError, match="same number of heads, got 1 and 2"):
+        bam_attention(q, k[:, :1], torch.cat([v, v], 1)[:, :2])

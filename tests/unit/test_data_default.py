@@ -1,0 +1,242 @@
+"""The default data path: packing, tokenizer, passkey, MDS shards, loaders, the cached build."""
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megabam.data import default_dataset as default_dataset_module
+from megabam.data.corpus import python_stdlib_documents
+from megabam.data.default_dataset import build_default_dataset
+from megabam.data.loader import build_loader
+from megabam.data.packing import doc_ids_from_starts, pack_documents
+from megabam.data.passkey import passkey_sample, passkey_training_tokens, random_key
+from megabam.data.shards import write_mds
+from megabam.data.streaming_import import import_streaming
+from megabam.data.tokenizer import Tokenizer, train_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    docs = python_stdlib_documents(300_000)
+    return train_tokenizer(docs, tmp_path_factory.mktemp("tok") / "sp.model", vocab_size=512)
+
+
+def random_docs(rng, n, max_len):
+    return [[rng.randrange(4, 1000) for _ in range(rng.randrange(0, max_len))] for _ in range(n)]
+
+
+def expected_samples(docs, sample_len, eos):
+    """Plain reference: the eos-joined stream cut into full samples, plus where documents begin."""
+    stream, begins = [], []
+    for doc in docs:
+        begins.append(len(stream))
+        stream += list(doc) + [eos]
+    out = []
+    for j in range(len(stream) // sample_len):
+        lo, hi = j * sample_len, (j + 1) * sample_len
+        starts = sorted({0} | {b - lo for b in begins if lo <= b < hi})
+        out.append((stream[lo:hi], starts))
+    return out
+
+
+def packed_samples(n_samples, sample_len, seed=0):
+    rng = random.Random(seed)
+    docs = random_docs(rng, 4 * n_samples, 2 * sample_len)
+    return list(pack_documents(docs, sample_len, eos_id=3))[:n_samples]
+
+
+# --- packing -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sample_len", [1, 7, 64])
+def test_pack_documents_matches_plain_concatenation(sample_len):
+    docs = random_docs(random.Random(sample_len), 50, 3 * sample_len + 5) + [[], [5, 6]]
+    got = list(pack_documents(docs, sample_len, eos_id=3))
+    want = expected_samples(docs, sample_len, eos=3)
+    assert len(got) == len(want) > 0
+    for sample, (tokens, starts) in zip(got, want):
+        assert sample.tokens.dtype == np.int32 and sample.doc_starts.dtype == np.int32
+        assert sample.tokens.shape == (sample_len,)
+        assert sample.tokens.tolist() == tokens
+        assert sample.doc_starts.tolist() == starts
+
+
+def test_pack_documents_drops_incomplete_remainder():
+    assert list(pack_documents([[5, 6, 7]], sample_len=5, eos_id=3)) == []
+    (only,) = pack_documents([[5, 6, 7], [8, 9, 10]], sample_len=5, eos_id=3)
+    assert only.tokens.tolist() == [5, 6, 7, 3, 8]
+    assert only.doc_starts.tolist() == [0, 4]
+
+
+def test_doc_ids_from_starts():
+    assert doc_ids_from_starts(np.array([0, 3, 5]), 7).tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert doc_ids_from_starts(np.array([0]), 4).tolist() == [0, 0, 0, 0]
+    # A start at the very last token of a sample lies past the inputs (sample_len - 1 of them).
+    assert doc_ids_from_starts(np.array([0, 2, 4]), 4).tolist() == [0, 0, 1, 1]
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+
+def test_tokenizer_round_trips_and_has_exact_vocab(tokenizer, tmp_path):
+    assert tokenizer.vocab_size == 512
+    assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (0, 2, 3)
+    text = python_stdlib_documents(400_000)[-1] + "\n\tünïcode ✓ 中文  trailing  \n"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    reloaded = Tokenizer(tokenizer.path)
+    assert reloaded.encode(text) == tokenizer.encode(text)
+    assert sorted(os.listdir(tokenizer.path.parent)) == [tokenizer.path.name]  # no temp files left
+
+
+def test_tokenizer_splits_digits(tokenizer):
+    ids = tokenizer.encode("x = 1234567890")
+    pieces = [tokenizer.decode([i]) for i in ids]
+    digit_pieces = [p for p in pieces if any(c.isdigit() for c in p)]
+    assert digit_pieces == list("1234567890")
+    for i in range(tokenizer.vocab_size):
+        assert sum(c.isdigit() for c in tokenizer.decode([i])) <= 1
+
+
+# --- passkey -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.75, 1.0])
+def test_passkey_sample_places_needle_at_depth(tokenizer, depth):
+    n_tokens = 2000
+    sample = passkey_sample(tokenizer, n_tokens, depth, "71432")
+    assert n_tokens - 30 <= len(sample.prompt_ids) <= n_tokens
+    assert tokenizer.decode(sample.answer_ids).strip() == "71432"
+    text = tokenizer.decode(sample.prompt_ids)
+    assert text.startswith("There is an important info hidden inside a lot of irrelevant text.")
+    assert text.endswith("What is the pass key? The pass key is")
+    needle = "The pass key is 71432. Remember it. 71432 is the pass key."
+    assert text.count(needle) == 1
+    filler_start = text.index("The grass is green.")
+    filler_end = text.index("What is the pass key?")
+    filler_len = filler_end - filler_start - len(needle)
+    relative = (text.index(needle) - filler_start) / filler_len
+    assert abs(relative - depth) < 0.03
+
+
+def test_passkey_training_tokens(tokenizer):
+    rng = random.Random(0)
+    keys = {random_key(rng) for _ in range(100)}
+    assert all(len(k) == 5 and k.isdigit() for k in keys) and len(keys) > 90
+    for _ in range(5):
+        ids = passkey_training_tokens(tokenizer, 300, rng)
+        assert 280 <= len(ids) <= 300
+        text = tokenizer.decode(ids)
+        key = text.rsplit(" ", 1)[1]
+        assert text.endswith(f"What is the pass key? The pass key is {key}") and key.isdigit()
+        assert f"The pass key is {key}. Remember it." in text
+
+
+# --- MDS shards and loaders --------------------------------------------------------------------
+
+
+def test_write_mds_and_loader_read_back_in_order(tmp_path, clean_shm):
+    samples = packed_samples(40, sample_len=17)
+    assert write_mds(samples, tmp_path / "mds", size_limit=1 << 10) == 40
+    assert len(json.loads((tmp_path / "mds" / "index.json").read_text())["shards"]) > 1
+    loader = build_loader(tmp_path / "mds", micro_batch_size=4, shuffle=False, seed=0)
+    batches = list(loader)
+    assert len(batches) == 10
+    for b in batches:
+        for key in ("input_ids", "labels", "doc_ids"):
+            assert b[key].dtype == torch.int64 and b[key].shape == (4, 16)
+    inputs = torch.cat([b["input_ids"] for b in batches]).numpy()
+    labels = torch.cat([b["labels"] for b in batches]).numpy()
+    doc_ids = torch.cat([b["doc_ids"] for b in batches]).numpy()
+    tokens = np.stack([s.tokens for s in samples])
+    assert (inputs == tokens[:, :-1]).all()
+    assert (labels == tokens[:, 1:]).all()
+    for row, s in zip(doc_ids, samples):
+        want = [sum(1 for start in s.doc_starts[1:] if start <= p) for p in range(16)]
+        assert row.tolist() == want
+
+
+def test_write_mds_refuses_existing_dir(tmp_path):
+    (tmp_path / "mds").mkdir()
+    with pytest.raises(ValueError, match=str(tmp_path / "mds")):
+        write_mds(packed_samples(2, 9), tmp_path / "mds")
+
+
+def test_write_mds_leaves_nothing_when_samples_fail(tmp_path):
+    def failing():
+        yield from packed_samples(30, 33)
+        raise RuntimeError("source broke")
+
+    with pytest.raises(RuntimeError, match="source broke"):
+        write_mds(failing(), tmp_path / "mds", size_limit=256)
+    assert os.listdir(tmp_path) == []
+
+
+# --- the default dataset -----------------------------------------------------------------------
+
+# 257, not 129: with a 512-piece vocab trained on code, the passkey prompt's fixed text alone
+# (instruction, needle, question) is ~150 tokens.
+BUILD_ARGS = dict(
+    sample_len=257,
+    vocab_size=512,
+    corpus_bytes=300_000,
+    passkey_fraction=0.2,
+    val_fraction=0.05,
+    seed=1,
+)
+
+
+def test_build_default_dataset_and_cache(tmp_path):
+    ds = build_default_dataset(tmp_path, **BUILD_ARGS)
+    assert (ds.train_dir / "index.json").exists() and (ds.val_dir / "index.json").exists()
+    tok = Tokenizer(ds.tokenizer_path)
+    assert tok.vocab_size == 512
+    assert [p.name for p in tmp_path.iterdir()] == [ds.train_dir.parent.name]  # no temp dirs
+
+    streaming = import_streaming()
+    n_samples, n_passkey = {}, 0
+    for split, path in (("train", ds.train_dir), ("val", ds.val_dir)):
+        local = streaming.LocalDataset(local=str(path))
+        n_samples[split] = len(local)
+        for i in range(len(local)):
+            sample = local[i]
+            assert sample["tokens"].shape == (257,) and sample["doc_starts"][0] == 0
+            text = tok.decode(sample["tokens"].tolist())
+            if "What is the pass key? The pass key is" in text:
+                # a passkey document is a whole sample: instruction first, its eos last, nothing else
+                n_passkey += 1
+                assert text.startswith("There is an important info hidden")
+                assert sample["doc_starts"].tolist() == [0] and sample["tokens"][-1] == tok.eos_id
+    total = n_samples["train"] + n_samples["val"]
+    assert n_samples["val"] >= 1 and abs(n_samples["val"] / total - 0.05) < 0.02
+    assert abs(n_passkey / total - 0.2) < 0.03
+
+    start = time.perf_counter()
+    again = build_default_dataset(tmp_path, **BUILD_ARGS)
+    assert time.perf_counter() - start < 0.5
+    assert again == ds
+    other = build_default_dataset(tmp_path, **{**BUILD_ARGS, "seed": 2})
+    assert other.train_dir != ds.train_dir
+
+
+def test_build_default_dataset_loser_of_race_uses_winner(tmp_path, monkeypatch):
+    real_build = default_dataset_module.write_default_dataset
+
+    def build_while_another_wins(out, *args):
+        real_build(out, *args)
+        winner = out.parent / out.name.split(".tmp-")[0].lstrip(".")
+        winner.mkdir()
+        (winner / "marker").write_text("winner")
+
+    monkeypatch.setattr(default_dataset_module, "write_default_dataset", build_while_another_wins)
+    args = {**BUILD_ARGS, "corpus_bytes": 100_000}
+    ds = build_default_dataset(tmp_path, **args)
+    assert (ds.train_dir.parent / "marker").read_text() == "winner"
+    assert [p.name for p in tmp_path.iterdir()] == [ds.train_dir.parent.name]

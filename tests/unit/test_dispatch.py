@@ -1,0 +1,84 @@
+"""The dispatch point (kernels/dispatch.py) of each op that has a Triton kernel: the reference on CPU
+tensors unless forced, the kernel when forced (under the interpreter here), the environment winning
+over the config, each choice logged once per op, and bad modes refused in one line.
+
+TRITON_INTERPRET=1 is set before the kernel modules are imported, as in tests/unit/test_kernels_triton.py.
+"""
+
+import logging
+import os
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"
+from helpers.dispatch_spy import spy_on_ops  # noqa: E402
+
+import megabam.kernels.bam_attention_triton as attention_kernel  # noqa: E402
+import megabam.kernels.mlstm_triton as mlstm_kernel  # noqa: E402
+from megabam.kernels import dispatch  # noqa: E402
+
+
+def _attention_call(backend: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 37, 16, generator=g) for _ in range(3))
+    theta = dict(
+        theta_alpha=-torch.rand(3, generator=g),
+        theta_beta=torch.tensor([-0.5, 0.5, 1.5]),
+        ssmax_s=0.5 + torch.rand(3, generator=g),
+    )
+    return dispatch.attention(q, k, v, **theta, window=16, backend=backend)
+
+
+def _mlstm_call(backend: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 20, 8, generator=g) for _ in range(2))
+    v = torch.randn(2, 3, 20, 16, generator=g)
+    i, f = 3 * torch.randn(2, 3, 20, generator=g), 3 + 2 * torch.randn(2, 3, 20, generator=g)
+    return dispatch.mlstm_chunkwise(q, k, v, i, f, 1e-6, 16, backend=backend)[0]
+
+
+# op name → (the reference as dispatch sees it, the kernel, a small call through the dispatch point)
+OPS = {
+    "attention": ((dispatch, "bam_attention"), (attention_kernel, "bam_attention_triton"), _attention_call),
+    "mlstm": ((dispatch, "mlstm_chunkwise_reference"), (mlstm_kernel, "mlstm_chunkwise_triton"), _mlstm_call),
+}
+
+
+@pytest.fixture(params=list(OPS))
+def op(request, monkeypatch):
+    """(op name, list of the ops the dispatch point ran, the op's small call)."""
+    reference, kernel, call = OPS[request.param]
+    return request.param, spy_on_ops(monkeypatch, reference, kernel), call
+
+
+def test_dispatch_picks_reference_on_cpu_and_logs_once(op, caplog):
+    name, ran, call = op
+    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        call("auto")
+        call("auto")
+    assert ran == ["reference", "reference"]
+    assert [r.getMessage() for r in caplog.records] == [f"{name} op: reference (mode auto, cpu tensors)"]
+
+
+def test_dispatch_forced_triton_runs_the_kernel(op, monkeypatch):
+    _, ran, call = op
+    ref = call("reference")
+    got = call("triton")
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    call("auto")
+    monkeypatch.setenv(dispatch.ENV, "reference")  # the environment wins over the config
+    call("triton")
+    assert ran == ["reference", "triton", "triton", "reference"]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_refuses_triton_on_cpu_without_interpreter(op, monkeypatch):
+    _, ran, call = op
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="need TRITON_INTERPRET=1"):
+        call("triton")
+    monkeypatch.setenv(dispatch.ENV, "fast")
+    with pytest.raises(ValueError, match="MEGABAM_KERNELS must be one of auto, triton, reference"):
+        call("auto")
+    assert ran == []
