@@ -1,10 +1,13 @@
 """The `megabam` command. Subcommands: train, data (later issues add eval, convert, plan)."""
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import signal
 import sys
 import typing
+from pathlib import Path
 
 from megabam import exit_codes
 from megabam.config import Config, ConfigError, load_config
@@ -20,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         help="pretrain a model from a YAML config",
         description="Pretrain a model. Example: megabam train yaml_configs/tiny_cpu.yaml optim.lr=1e-3",
     )
-    train.add_argument("config", help="YAML config file (see yaml_configs/)")
+    train.add_argument("config", nargs="?", help="YAML config file (see yaml_configs/)")
     train.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of config values")
     train.add_argument(
         "--resume",
@@ -45,10 +48,55 @@ def main(argv: list[str] | None = None) -> int:
     return exit_codes.BAD_INPUT
 
 
+def _exit_preempted_at_start(signum, frame) -> None:
+    """SIGTERM/SIGUSR1 before the first step: nothing to save yet, so the requeued job simply starts
+    again. The trainer's own handler (megabam/train/preemption.py) takes over for the steps."""
+    print(
+        f"megabam: {signal.Signals(signum).name} during start-up; nothing to save, exit {exit_codes.PREEMPTED} "
+        "(requeue)",
+        file=sys.stderr,
+    )
+    sys.exit(exit_codes.PREEMPTED)
+
+
+def _die_with_the_launcher() -> None:
+    """Under a launcher (torchrun, the deepspeed launcher: they set LOCAL_RANK), stop at once when it
+    dies: its ranks run in sessions of their own, so a scheduler's kill of the launcher's process
+    group would otherwise leave them training on."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the request took effect
+        os._exit(exit_codes.PREEMPTED)
+
+
+def _record_exit_code(code: int) -> None:
+    """Leave this rank's exit code where the launch script reads it (launch/torchrun.sh), which
+    exits with the ranks' common code instead of the launcher's."""
+    folder = os.environ.get("MEGABAM_EXIT_CODE_DIR")
+    if folder:
+        with contextlib.suppress(OSError):
+            Path(folder, f"rank{os.environ.get('RANK', '0')}").write_text(f"{code}\n")
+
+
 def _train(args) -> int:
+    _die_with_the_launcher()
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, _exit_preempted_at_start)
     if args.help_config:
         print("\n".join(describe_config(Config)))
         return exit_codes.OK
+    problem = None
+    if args.config is None:
+        problem = "train needs a CONFIG file (e.g. yaml_configs/tiny_cpu.yaml; --help-config lists every key)"
+    elif args.fresh and args.resume:
+        problem = "--fresh (start a new run) and --resume (continue one) contradict each other; give one"
+    if problem:
+        print(f"megabam: error: {problem}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
@@ -62,7 +110,8 @@ def _train(args) -> int:
     from megabam.data.errors import DataError
     from megabam.train.checkpoint import CheckpointError
     from megabam.train.preemption import Preempted
-    from megabam.train.trainer import RunDirError, TooManyBadSteps, train
+    from megabam.train.run_lock import RunDirError
+    from megabam.train.trainer import TooManyBadSteps, train
 
     try:
         summary = train(cfg, fresh=args.fresh, resume=args.resume)
@@ -95,5 +144,19 @@ def describe_config(cls, prefix: str = "") -> list[str]:
     return lines
 
 
+def run() -> None:
+    """The process entry point (`megabam`, `python -m megabam.cli`): main's code, recorded for the
+    launch scripts, as the exit status."""
+    code = 1  # an exception escaping main: a traceback, exit 1
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+        raise
+    finally:
+        _record_exit_code(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

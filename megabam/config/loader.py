@@ -32,11 +32,19 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     raw: dict = {}
     if path is not None:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_bytes().decode("utf-8")
         except OSError as e:
             raise ConfigError(source, "<file>", f"cannot read ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(source, "<file>", f"not a UTF-8 text file (byte {e.start} is {text_byte(e)})") from None
+        if not text.strip() or all(line.lstrip().startswith("#") or not line.strip() for line in text.splitlines()):
+            raise ConfigError(source, "<file>", "is empty (give at least one section; defaults alone: omit the file)")
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = yaml.load(text, Loader=_UniqueKeyLoader)
+        except yaml.MarkedYAMLError as e:
+            mark = e.problem_mark or e.context_mark
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+            raise ConfigError(source, "<file>", f"not valid YAML ({where}{e.problem or e.context})") from None
         except yaml.YAMLError as e:
             raise ConfigError(source, "<file>", f"not valid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(raw, dict):
@@ -46,6 +54,25 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     config = _build(Config, raw, "", source)
     validate(config, source)
     return config
+
+
+def text_byte(e: UnicodeDecodeError) -> str:
+    return f"0x{e.object[e.start]:02x}"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (it would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (first on line {seen[key] + 1})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 def config_to_dict(config: Config) -> dict:

@@ -8,6 +8,8 @@ A `check` reports a failure through `require(ok, dotted key, message)`.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -33,6 +35,10 @@ def expand_pattern(layer_pattern: list[str]) -> list[str]:
     return names
 
 
+def positive(require: Require, key: str, value: float) -> None:
+    require(math.isfinite(value) and value > 0, key, f"must be a finite positive number, got {value}")
+
+
 def at_least_one(require: Require, pairs: list[tuple[str, int]]) -> None:
     for key, value in pairs:
         require(value >= 1, key, f"must be at least 1, got {value}")
@@ -54,11 +60,8 @@ class RunConfig:
     seed: int = doc(1234, "Seed of model initialisation and data shuffling.")
 
     def check(self, require: Require, key: str) -> None:
-        require(
-            self.name != "" and "/" not in self.name,
-            f"{key}.name",
-            f"must be a plain directory name, got {self.name!r}",
-        )
+        plain = self.name not in ("", ".", "..") and "/" not in self.name and os.sep not in self.name
+        require(plain, f"{key}.name", f"must be a plain directory name, got {self.name!r}")
 
 
 @dataclass
@@ -202,6 +205,10 @@ class ModelConfig:
                 (f"{key}.attention.block_size", self.attention.block_size),
             ],
         )
+        positive(require, f"{key}.init_std", self.init_std)
+        positive(require, f"{key}.norm_eps", self.norm_eps)
+        for section in ("attention", "swa"):
+            positive(require, f"{key}.{section}.rope_theta", getattr(self, section).rope_theta)
         require(
             self.d_model % self.n_heads == 0,
             f"{key}.n_heads",
@@ -409,7 +416,8 @@ class OptimConfig:
     grad_clip: float = doc(1.0, "Clip the global gradient norm to this value; 0 = off.")
 
     def check(self, require: Require, key: str) -> None:
-        require(self.lr > 0, f"{key}.lr", f"must be positive, got {self.lr}")
+        positive(require, f"{key}.lr", self.lr)
+        positive(require, f"{key}.eps", self.eps)
         require(self.weight_decay >= 0, f"{key}.weight_decay", f"must be non-negative, got {self.weight_decay}")
         require(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
@@ -418,7 +426,11 @@ class OptimConfig:
         )
         require(self.prior_lr_mult >= 0, f"{key}.prior_lr_mult", f"must be non-negative, got {self.prior_lr_mult}")
         require(self.ssmax_lr_mult >= 0, f"{key}.ssmax_lr_mult", f"must be non-negative, got {self.ssmax_lr_mult}")
-        require(self.grad_clip >= 0, f"{key}.grad_clip", f"must be non-negative, got {self.grad_clip}")
+        require(
+            math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+            f"{key}.grad_clip",
+            f"must be a finite non-negative number (0 = off), got {self.grad_clip}",
+        )
 
 
 @dataclass

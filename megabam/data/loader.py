@@ -2,6 +2,7 @@
 
 import functools
 import os
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from megabam.data.errors import DataError
 from megabam.data.mixture import StreamSpec, make_streams
 from megabam.data.packing import doc_ids_from_starts
+from megabam.data.shards import check_columns, read_index
 from megabam.data.streaming_import import import_streaming
 
 
@@ -77,6 +79,9 @@ def build_loader(
 def _checked_dataset_class():
     """``StreamingDataset`` that raises when a shard failed to download or to match its hash.
 
+    It also refuses, before any sample is decoded, shards whose columns megabam will not decode
+    (shards.check_columns: a pickle column would run code), local and remote streams alike.
+
     Streaming runs downloads and hash checks in background threads; on a failure it only ends the
     epoch early (and raises at the next epoch), so a corrupted remote shard would look like a short
     epoch. This subclass keeps the failure and raises it as a DataError where the epoch ends.
@@ -84,6 +89,26 @@ def _checked_dataset_class():
     streaming = import_streaming()
 
     class CheckedStreamingDataset(streaming.StreamingDataset):
+        def __init__(self, *, streams, **kwargs):
+            for stream in streams:  # local copies: checked before streaming reads anything of them
+                index = os.path.join(stream.local, stream.split or "")
+                if os.path.isfile(os.path.join(index, "index.json")):
+                    read_index(index)
+            try:
+                super().__init__(streams=streams, **kwargs)
+            except ValueError as e:  # streaming's own refusal of a pickle column in a downloaded index
+                unsafe = re.match(r"Column (.+) contains an unsafe type: (\S+)\.", str(e))
+                if unsafe is None:
+                    raise
+                check_columns(", ".join(s.remote or s.local for s in streams), [unsafe[1]], [unsafe[2]])
+                raise
+            # Every stream's index is read (or downloaded) now, and no sample decoded yet.
+            for reader in self.shards:
+                where = os.path.join(reader.dirname, reader.split or "", reader.raw_data.basename)
+                if type(reader).__name__ != "MDSReader":
+                    raise DataError(f"{where}: {type(reader).__name__} shards are not MDS (megabam reads MDS only)")
+                check_columns(where, reader.column_names, reader.column_encodings)
+
         def on_exception(self, future) -> None:
             if future.exception() is not None:
                 self._shard_failure = future.exception()

@@ -15,6 +15,28 @@ from megabam.data.streaming_import import import_streaming
 
 COLUMNS = {"tokens": "ndarray:int32", "doc_starts": "ndarray:int32"}
 HASHES = ["sha1"]
+# The MDS column encodings megabam decodes: numbers, strings, bytes, JSON and numpy arrays, none of
+# which runs code while decoding. Anything else is refused before a sample is read: above all `pkl`
+# (a pickle: a crafted sample runs code when decoded), and the image codecs megabam never writes.
+SAFE_ENCODINGS = frozenset(
+    ["bytes", "str", "str_int", "str_float", "str_decimal", "json", "int", "float16", "float32", "float64"]
+    + [f"{sign}int{bits}" for sign in ("", "u") for bits in (8, 16, 32, 64)]
+)
+
+
+def is_safe_encoding(encoding: str) -> bool:
+    """Whether megabam decodes an MDS column of this encoding (ndarray with or without dtype/shape)."""
+    return encoding in SAFE_ENCODINGS or encoding.split(":")[0] == "ndarray"
+
+
+def check_columns(where: str, names, encodings) -> None:
+    """Refuse (DataError naming `where` and the column) a shard with a column megabam will not decode."""
+    for name, encoding in zip(names, encodings):
+        if not isinstance(encoding, str) or not is_safe_encoding(encoding):
+            raise DataError(
+                f"{where}: column {name!r} has encoding {encoding!r}, which megabam does not decode "
+                "(pickles and images are refused; allowed: numbers, str, bytes, json, ndarray)"
+            )
 
 
 def open_mds_writer(out_dir: str | os.PathLike, compression: str | None = "zstd", size_limit: int | str = "8mb"):
@@ -66,14 +88,41 @@ def write_mds(
 
 
 def read_index(mds_dir: str | os.PathLike) -> dict:
-    """The parsed ``index.json`` of an MDS directory (DataError if absent or unreadable)."""
+    """The parsed ``index.json`` of an MDS directory, checked before any shard is read: the shape
+    megabam relies on, MDS shards only, and every column's encoding safe to decode (DataError naming
+    the file otherwise). Every reader of shards megabam did not write starts here."""
     path = Path(mds_dir) / "index.json"
     try:
-        return json.loads(path.read_text())
+        index = json.loads(path.read_text())
     except FileNotFoundError:
         raise DataError(f"{mds_dir}: not an MDS dataset (no index.json)") from None
     except (OSError, ValueError) as e:
         raise DataError(f"{path}: unreadable index ({e})") from None
+    shards = index.get("shards") if isinstance(index, dict) else None
+    if not isinstance(shards, list):
+        raise DataError(f"{path}: not an MDS index (expected an object with a list of shards)")
+    for i, shard in enumerate(shards):
+        where = f"{path}: shard {i}"
+        if not isinstance(shard, dict) or shard.get("format") != "mds":
+            kind = shard.get("format") if isinstance(shard, dict) else type(shard).__name__
+            raise DataError(f"{where}: format {kind!r} is not MDS (megabam reads MDS shards only)")
+        raw, zipped = shard.get("raw_data"), shard.get("zip_data")
+        names, encodings = shard.get("column_names"), shard.get("column_encodings")
+        if not (
+            isinstance(raw, dict)
+            and isinstance(raw.get("basename"), str)
+            and isinstance(raw.get("bytes"), int)
+            and (zipped is None or (isinstance(zipped, dict) and isinstance(zipped.get("basename"), str)))
+            and isinstance(shard.get("samples"), int)
+            and isinstance(names, list)
+            and isinstance(encodings, list)
+            and len(names) == len(encodings)
+        ):
+            raise DataError(f"{where}: malformed entry (raw_data, zip_data, samples, column_names, column_encodings)")
+        if "/" in raw["basename"] or raw["basename"].startswith(".") or (zipped and "/" in zipped["basename"]):
+            raise DataError(f"{where}: shard file name {raw['basename']!r} points outside the dataset")
+        check_columns(f"{where} ({raw['basename']})", names, encodings)
+    return index
 
 
 def verify_shards(mds_dir: str | os.PathLike, hashes: bool = True) -> int:

@@ -1,11 +1,21 @@
-"""Joining the process group, and the one free-port helper."""
+"""Joining the process group (with DeepSpeed's JIT-built ops under megabam's own lock), and the one
+free-port helper."""
 
+import contextlib
+import fcntl
+import logging
 import os
 import socket
+import sys
+import time
+from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+NOTE_EVERY_S = 30  # how long a start-up wait may last before it says again what it waits for
 
 
 def free_port() -> int:
@@ -38,13 +48,45 @@ def init_distributed() -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-        )
+        os.environ.update(rank_environment(0, 1, free_port()))
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])  # streaming reads it
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_extensions_dir()))
+    # On CPU, DeepSpeed JIT-builds its shared-memory communication op here (first start: ~20 s).
+    with extension_build_lock(Path(os.environ["TORCH_EXTENSIONS_DIR"])):
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+
+
+def default_extensions_dir() -> Path:
+    """megabam's folder for DeepSpeed's JIT-built ops, one per Python, torch and DeepSpeed version:
+    torch's default is shared by every environment of one Python, which then rebuild it in turn."""
+    cache = Path(os.environ.get("MEGABAM_CACHE") or "~/.cache/megabam").expanduser()
+    python = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    return cache / "torch_extensions" / f"{python}-torch{torch.__version__}-deepspeed{deepspeed.__version__}"
+
+
+@contextlib.contextmanager
+def extension_build_lock(folder: Path):
+    """Hold megabam's lock on `folder` (flock, released by the OS when its holder dies, kill -9 too)
+    while DeepSpeed may build in it. Holding it, no other megabam process is building there, so the
+    `lock` file torch's builder leaves when killed mid-build (on which every later start would wait
+    for ever, silently) is stale: it is removed, with a message. A wait for another process's build
+    says what it waits for, every NOTE_EVERY_S seconds."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / ".megabam-build.lock").open("a+") as f:
+        waited = 0
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if waited % NOTE_EVERY_S == 0:
+                    log.warning(f"waiting for another megabam process that is building DeepSpeed's ops in {folder}")
+                time.sleep(1.0)
+                waited += 1
+        try:
+            for stale in folder.glob("*/lock"):
+                log.warning(f"removed a stale build lock {stale} (left by a process killed while building)")
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -141,6 +141,8 @@ def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int) -> Path:
     rank, world = dist.get_rank(), dist.get_world_size()
     root, tag = checkpoint_root(run_dir), tag_for(meta.step)
     tmp = root / f".tmp-{tag}"
+    if (root / tag).exists():
+        raise CheckpointError(f"{root / tag}: already exists; megabam never writes over a checkpoint")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
     dist.barrier()
@@ -158,12 +160,7 @@ def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int) -> Path:
         manifest = {name: d for part in gathered for name, d in part.items()}
         _write_json(tmp / MANIFEST_FILE, {"files": manifest})
         _fsync_dir(tmp)
-        final = root / tag
-        if final.exists():  # the same step saved again (a run resumed at its last step)
-            trash = root / f".old-{tag}"
-            os.rename(final, trash)
-            shutil.rmtree(trash)
-        os.rename(tmp, final)
+        os.rename(tmp, root / tag)
         _write_text_atomic(root / "latest", tag)
         for old in list_tags(run_dir)[keep:]:
             shutil.rmtree(root / old)
@@ -201,9 +198,17 @@ def _verify(path: Path) -> str | None:
     """Collective: each rank checks a share of the files; all ranks return the same verdict."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())["files"]
-    except (OSError, ValueError, KeyError):
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
         return "no readable manifest: the checkpoint was not completed"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (
+        not isinstance(files, dict)
+        or META_FILE not in files
+        or not all(isinstance(name, str) and "/" not in name and isinstance(d, dict) for name, d in files.items())
+    ):
+        return f"{MANIFEST_FILE} is malformed (expected its files with their sizes and digests, {META_FILE} among them)"
+    manifest = files
     problems = []
     for name in sorted(manifest)[rank::world]:
         if not (path / name).is_file():

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megabam.config import Config, ConfigError, save_config
 from megabam.config.schema import expand_pattern
+from megabam.data.errors import DataError
 from megabam.data.loader import build_loader
 from megabam.data.passkey import passkey_sample
 from megabam.data.tokenizer import Tokenizer
@@ -37,13 +38,10 @@ from megabam.train.engine import build_engine
 from megabam.train.logger import RunLogger, peak_tflops
 from megabam.train.plot import plot_loss
 from megabam.train.preemption import Preempted, PreemptionFlag
+from megabam.train.run_lock import RunDirError, RunLock
 from megabam.train.window_sampler import WindowSampler
 
 log = logging.getLogger(__name__)
-
-
-class RunDirError(RuntimeError):
-    """The run directory cannot be used as asked (never overwritten silently)."""
 
 
 class TooManyBadSteps(RuntimeError):
@@ -105,10 +103,21 @@ class StepResult:
     tokens_per_s: float
 
 
-def choose_run_directory(cfg: Config, fresh: bool, resume: bool) -> tuple[Path, bool]:
-    """(directory, whether to resume). A directory with checkpoints is resumed automatically; one
-    with files but no checkpoint is refused; `fresh` starts a new run beside it (name-2, name-3, ...);
-    `resume` insists on a checkpoint. Nothing is ever overwritten."""
+# What megabam writes into a run directory before its first checkpoint: a directory holding only
+# these (and no checkpoint) is a start that failed early, and is restarted from step 0.
+START_FILES = {"config.yaml", "tokenizer.model", "metrics.jsonl", "loss.png", "wandb", "checkpoints"}
+
+
+def _only_start_files(path: Path) -> bool:
+    return all(p.name in START_FILES for p in path.iterdir())
+
+
+def choose_run_directory(cfg: Config, fresh: bool, resume: bool, lock: bool) -> tuple[Path, bool, RunLock | None]:
+    """(directory, whether to resume, its lock when `lock`). A directory with checkpoints is resumed
+    automatically; one holding only what an earlier start wrote before its first checkpoint restarts
+    from step 0; one with other files is refused; `fresh` starts a new run beside it (name-2, ...);
+    `resume` insists on a checkpoint. A directory another run holds is refused (or, with `fresh`,
+    skipped). Rank 0 locks (`lock`); the other ranks follow its choice. Nothing is ever overwritten."""
     base = Path(cfg.run.output_dir) / cfg.run.name
 
     def empty(path: Path) -> bool:
@@ -116,19 +125,29 @@ def choose_run_directory(cfg: Config, fresh: bool, resume: bool) -> tuple[Path, 
 
     if fresh:
         candidate, n = base, 1
-        while not empty(candidate):
+        while True:
+            held = RunLock(candidate) if lock else None
+            if empty(candidate) and (held is None or held.try_acquire() is None):
+                return candidate, False, held
             n += 1
             candidate = base.with_name(f"{base.name}-{n}")
-        return candidate, False
-    if checkpoint.list_tags(base):
-        return base, True
-    if resume:
-        raise RunDirError(f"{base}: no checkpoint to resume from")
-    if not empty(base):
-        raise RunDirError(
-            f"{base}: holds files but no checkpoint; pass --fresh to start a new run beside it, or set run.name"
-        )
-    return base, False
+    held = RunLock(base).acquire() if lock else None
+    try:
+        if checkpoint.list_tags(base):
+            return base, True, held
+        if resume:
+            raise RunDirError(f"{base}: no checkpoint to resume from")
+        if not empty(base):
+            if not _only_start_files(base):
+                raise RunDirError(
+                    f"{base}: holds files but no checkpoint; pass --fresh to start a new run beside it, or set run.name"
+                )
+            log.info(f"{base}: no checkpoint yet, only what an earlier start wrote; starting again from step 0")
+        return base, False, held
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
 
 
 class Trainer:
@@ -138,7 +157,6 @@ class Trainer:
         self.cfg, self.run_dir = cfg, run_dir
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        setup_logging(self.rank)
         self.topology = build_topology(cfg.parallel.tensor, cfg.parallel.pipeline)
         dist.barrier()  # every rank has chosen the directory before rank 0 writes into it
 
@@ -157,6 +175,13 @@ class Trainer:
         )
         self.train_loader = build_loader(data.train, shuffle=True, num_workers=cfg.data.num_workers, **loader)
         self.val_loader = build_loader(data.val, shuffle=False, num_workers=0, **loader)
+        if len(self.train_loader) == 0:  # streaming would yield nothing, and the loop wait for ever
+            raise ConfigError(
+                "<data>",
+                "train.micro_batch_size",
+                f"{cfg.train.micro_batch_size} is more than the "
+                f"{len(self.train_loader.dataset)} training samples each data-parallel rank reads per epoch",
+            )
         self.batches = _endless(self.train_loader)
         # SWA layers get a window drawn per step (a pure function of seed and step: same on every rank).
         has_swa = "swa" in expand_pattern(cfg.model.layer_pattern)
@@ -189,6 +214,11 @@ class Trainer:
         if tag is None:
             raise RunDirError(f"{root}: no usable checkpoint to resume from")
         saved = checkpoint.read_meta(self.run_dir, tag)
+        if saved.step > self.cfg.train.steps:
+            raise RunDirError(
+                f"{root / tag}: the checkpoint is at step {saved.step}, beyond train.steps={self.cfg.train.steps}; "
+                "nothing to do (raise train.steps to train on)"
+            )
         refused, accepted = config_changes(saved.config, asdict(self.cfg))
         if refused:
             raise ConfigError("<resume>", "config", f"cannot resume {root / tag} with changed " + "; ".join(refused))
@@ -373,12 +403,18 @@ def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
     # Attention probabilities under a sharp prior underflow into denormals, which x86 CPUs multiply
     # ~100x slower than normal floats; flushing them to zero changes no result that matters.
     torch.set_flush_denormal(True)
-    run_dir, resuming = choose_run_directory(cfg, fresh, resume)
-    trainer = Trainer(cfg, run_dir, resuming)
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(rank)
+    run_dir, resuming, lock = choose_run_directory(cfg, fresh, resume, lock=rank == 0)
     try:
-        return trainer.run()
+        trainer = Trainer(cfg, run_dir, resuming)
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        if lock is not None:
+            lock.release()
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -409,6 +445,12 @@ def _check_passkey_lengths(tokenizer: Tokenizer, lengths: list[int]) -> None:
 
 
 def _endless(loader) -> Iterator[dict]:
-    """Batches across epoch boundaries; each pass over the streaming loader is one epoch."""
+    """Batches across epoch boundaries; each pass over the streaming loader is one epoch. A pass that
+    yields nothing is an error, not a wait."""
     while True:
-        yield from loader
+        batches = 0
+        for batch in loader:
+            batches += 1
+            yield batch
+        if batches == 0:
+            raise DataError("the training data yielded no batch in a whole epoch")

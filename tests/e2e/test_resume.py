@@ -74,15 +74,17 @@ def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, data
     assert len(list((run_dir / "checkpoints" / tag).glob("*optim_states.pt"))) == 2
 
 
-@pytest.mark.parametrize("damage", ["truncate", "no-manifest"])
+@pytest.mark.parametrize("damage", ["truncate", "no-manifest", "manifest-without-files", "manifest-a-list"])
 def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, data_cache, damage):
     megabam_train(tmp_path, data_cache, "run.name=damaged", *RUN[1:], "train.steps=6")
     newest = tmp_path / "damaged" / "checkpoints" / "step_00000006"
     if damage == "truncate":
         shard = next(newest.glob("*optim_states.pt"))
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    else:
+    elif damage == "no-manifest":
         (newest / "manifest.json").unlink()
+    else:  # valid JSON of the wrong shape
+        (newest / "manifest.json").write_text('{"files": {}}' if damage == "manifest-without-files" else "[1, 2]")
     result = megabam_train(tmp_path, data_cache, "run.name=damaged", *RUN[1:], "train.steps=8")
     out = result.stdout + result.stderr
     assert f"checkpoint {newest} is unusable" in out

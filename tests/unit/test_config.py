@@ -101,3 +101,47 @@ def test_unreadable_and_malformed_files(tmp_path):
     broken.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(broken)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\xff\xfe\x00binary", "not a UTF-8 text file (byte 0 is 0xff)"),
+        (b"", "is empty"),
+        (b"# a comment only\n\n", "is empty"),
+        (b"run:\n  name: a\nrun:\n  name: b\n", "line 3, column 1: key 'run' given twice (first on line 1)"),
+        (b"train:\n  steps: 3\n  steps: 4\n", "key 'steps' given twice"),
+        (b"run:\n  name: [a\n", "not valid YAML (line 3, column 1: expected ',' or ']'"),
+    ],
+    ids=["binary", "empty", "comment-only", "duplicate-section", "duplicate-key", "syntax"],
+)
+def test_unusable_config_files_are_one_line_errors(tmp_path, content, message):
+    path = tmp_path / "config.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: <file>: ") and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optim.lr=.nan", "optim.lr"),
+        ("optim.lr=.inf", "optim.lr"),
+        ("optim.lr=0", "optim.lr"),
+        ("optim.grad_clip=.nan", "optim.grad_clip"),
+        ("optim.eps=0", "optim.eps"),
+        ("model.init_std=-0.02", "model.init_std"),
+        ("model.norm_eps=0", "model.norm_eps"),
+        ("model.attention.rope_theta=-1", "model.attention.rope_theta"),
+        ("model.swa.rope_theta=.inf", "model.swa.rope_theta"),
+        ("run.name=.", "run.name"),
+        ("run.name=..", "run.name"),
+        ("run.name=a/b", "run.name"),
+    ],
+)
+def test_non_finite_non_positive_and_path_like_values_are_refused(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == key

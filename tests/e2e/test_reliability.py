@@ -1,0 +1,159 @@
+"""Starts and restarts that must neither hang nor lose a checkpoint: an oversized micro-batch, two runs
+on one directory, a lowered step count on resume, a kill before the first checkpoint, and a signal
+during start-up. Each fault is the one a user or a scheduler really produces."""
+
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+from helpers.runs import megabam_train, start_train, wait_for_step
+
+from megabam.parallel.distributed import default_extensions_dir
+
+
+def digests(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha1(p.read_bytes()).hexdigest() for p in path.rglob("*") if p.is_file()}
+
+
+def test_micro_batch_larger_than_the_data_is_refused_at_start(tmp_path, data_cache):
+    t0 = time.monotonic()
+    result = megabam_train(tmp_path, data_cache, "run.name=huge", "train.micro_batch_size=100000", check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("megabam: error: <data>: train.micro_batch_size: 100000 is more than the ")
+    assert last.endswith("training samples each data-parallel rank reads per epoch")
+    assert time.monotonic() - t0 < 120 and not (tmp_path / "huge").exists()
+
+
+def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(tmp_path, data_cache):
+    first = start_train(
+        tmp_path, data_cache, "run.name=shared", "train.steps=100000", "checkpoint.every=0", log=tmp_path / "first.log"
+    )
+    try:
+        wait_for_step(tmp_path / "shared", 1, first)
+        second = megabam_train(tmp_path, data_cache, "run.name=shared", "train.steps=12", check=False)
+        assert second.returncode == 2
+        last = second.stderr.strip().splitlines()[-1]
+        assert f"{tmp_path / 'shared'}: in use by another run (host " in last and f", pid {first.pid})" in last
+        first.send_signal(signal.SIGTERM)  # the first run is untouched: it still saves and stops cleanly
+        assert first.wait(timeout=300) == 75
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    # The first run's record is its own: every step logged once, in order, up to its checkpoint.
+    steps = [json.loads(line)["step"] for line in (tmp_path / "shared" / "metrics.jsonl").read_text().splitlines()]
+    loss_steps = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "shared" / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ]
+    assert loss_steps == list(range(1, len(loss_steps) + 1)) and max(steps) == loss_steps[-1]
+    assert (tmp_path / "shared" / "checkpoints" / "latest").read_text().strip() == f"step_{loss_steps[-1]:08d}"
+
+
+def test_lowering_train_steps_on_resume_keeps_every_checkpoint(tmp_path, data_cache):
+    megabam_train(tmp_path, data_cache, "run.name=done", "train.steps=6", "checkpoint.every=3")
+    checkpoints = tmp_path / "done" / "checkpoints"
+    before = digests(checkpoints)
+    result = megabam_train(tmp_path, data_cache, "run.name=done", "train.steps=4", check=False)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.endswith("is at step 6, beyond train.steps=4; nothing to do (raise train.steps to train on)")
+    assert digests(checkpoints) == before
+    # The same step count again is a finished run: nothing is trained or saved over.
+    again = megabam_train(tmp_path, data_cache, "run.name=done", "train.steps=6")
+    assert "resumed from" in again.stdout + again.stderr and digests(checkpoints) == before
+
+
+def test_a_kill_before_the_first_checkpoint_restarts_from_step_zero(tmp_path, data_cache):
+    proc = start_train(
+        tmp_path, data_cache, "run.name=early", "train.steps=1000", "checkpoint.every=0", log=tmp_path / "killed.log"
+    )
+    try:
+        wait_for_step(tmp_path / "early", 2, proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole job, as a scheduler kills it
+        proc.wait()
+    assert not list((tmp_path / "early").glob("checkpoints/step_*"))
+    result = megabam_train(tmp_path, data_cache, "run.name=early", "train.steps=3")
+    assert "no checkpoint yet, only what an earlier start wrote; starting again from step 0" in result.stdout
+    assert (tmp_path / "early" / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+
+
+def test_sigterm_during_start_up_exits_75(tmp_path, data_cache):
+    proc = start_train(tmp_path, data_cache, "run.name=startup", log=tmp_path / "startup.log")
+    time.sleep(1.0)  # importing torch and DeepSpeed: long before the first step
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75
+    assert "SIGTERM during start-up; nothing to save, exit 75 (requeue)" in (tmp_path / "startup.log").read_text()
+
+
+def _ranks_of(run_root: Path) -> list[psutil.Process]:
+    """Live `megabam train` processes of the runs under `run_root`."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if (
+            "megabam.cli" in cmdline
+            and f"run.output_dir={run_root}" in cmdline
+            and "torch.distributed.run" not in cmdline
+        ):
+            found.append(p)
+    return found
+
+
+def test_the_launcher_exits_with_the_ranks_code(tmp_path, data_cache):
+    """launch/torchrun.sh: 75 when SIGTERM to the script preempts both ranks, 2 for bad input (torchrun says 1)."""
+    proc = start_train(
+        tmp_path,
+        data_cache,
+        "run.name=launcher",
+        "train.steps=100000",
+        "checkpoint.every=0",
+        nproc=2,
+        log=tmp_path / "launcher.log",
+    )
+    wait_for_step(tmp_path / "launcher", 2, proc)
+    proc.send_signal(signal.SIGTERM)  # to the launch script, as a scheduler signals the job
+    assert proc.wait(timeout=300) == 75
+    assert (tmp_path / "launcher.log").read_text().count("preempted (SIGTERM) after step") == 1  # rank 0 speaks
+    assert (tmp_path / "launcher" / "checkpoints" / "latest").is_file()
+    bad = megabam_train(tmp_path, data_cache, "run.name=bad", "parallel.tensor=3", nproc=2, check=False)
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "parallel.tensor: 3 does not divide model.n_heads=4" in bad.stderr
+
+
+def test_killing_the_launchers_process_group_stops_every_rank(tmp_path, data_cache):
+    proc = start_train(
+        tmp_path,
+        data_cache,
+        "run.name=orphans",
+        "train.steps=100000",
+        "checkpoint.every=0",
+        nproc=2,
+        log=tmp_path / "orphans.log",
+    )
+    wait_for_step(tmp_path / "orphans", 2, proc)
+    assert len(_ranks_of(tmp_path)) == 2
+    os.killpg(proc.pid, signal.SIGKILL)  # what a scheduler kills: the launcher's group, not the ranks' sessions
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while _ranks_of(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _ranks_of(tmp_path), "ranks outlived their launcher"
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_with_a_message(tmp_path, data_cache):
+    """torch's builder waits for ever on the `lock` file of a build killed midway; megabam, holding its
+    own lock on the folder, knows such a file is stale."""
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default_extensions_dir())
+    stale = folder / "deepspeed_shm_comm" / "lock"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text("")
+    result = megabam_train(tmp_path, data_cache, "run.name=stale", "train.steps=3", "eval.passkey_samples=0")
+    assert f"removed a stale build lock {stale}" in result.stdout and not stale.exists()
