@@ -19,7 +19,7 @@ ENV = "MEGABAM_KERNELS"
 MODES = ("auto", "triton", "reference")
 
 log = logging.getLogger(__name__)
-_logged: set = set()
+logged_choices: set = set()  # (op, mode, choice) already logged by this process
 
 
 def choose(backend: str, tensor: Tensor, op: str = "attention") -> str:
@@ -35,8 +35,8 @@ def choose(backend: str, tensor: Tensor, op: str = "attention") -> str:
             f"Triton kernels on {tensor.device} tensors need TRITON_INTERPRET=1 "
             f"(mode {mode!r}); use {ENV}=reference or auto"
         )
-    if (op, mode, choice) not in _logged:
-        _logged.add((op, mode, choice))
+    if (op, mode, choice) not in logged_choices:
+        logged_choices.add((op, mode, choice))
         log.info("%s op: %s (mode %s, %s tensors)", op, choice, mode, tensor.device.type)
     return choice
 

@@ -283,7 +283,7 @@ class WindowConfig:
     anneal_window: int | None = doc(None, "Window of the annealing steps; null = the largest of `windows`.")
 
     def check(self, require: Require, key: str) -> None:
-        """Checked when the pattern has sliding-window layers; the bounds by data.seq_len are the loader's."""
+        """Checked whatever the pattern; the bounds by data.seq_len, with sliding-window layers, are the loader's."""
         require(len(self.windows) >= 1, f"{key}.windows", "must list at least one window")
         require(
             len(self.probabilities) == len(self.windows),

@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+from pathlib import Path
 
 from megabam import exit_codes
 from megabam.data.errors import DataError
@@ -28,6 +29,7 @@ def add_data_parser(sub) -> None:
         "inputs", nargs="*", help="text inputs (.txt/.md/.jsonl, plain, .gz or .zst; directories; globs; MDS dirs)"
     )
     tok.add_argument("--out", help="where to write the .model (written atomically)")
+    tok.add_argument("--overwrite", action="store_true", help="replace an existing .model at --out")
     tok.add_argument("--load", metavar="MODEL", help="check an existing .model instead of training one")
     tok.add_argument("--vocab-size", type=int, help="pieces in the vocabulary (required to train; checked with --load)")
     tok.add_argument(
@@ -145,6 +147,11 @@ def _tokenizer(args) -> list[str]:
         return [f"tokenizer {args.load}: {tok.vocab_size} pieces, pad {tok.pad_id}, bos {tok.bos_id}, eos {tok.eos_id}"]
     if not args.inputs or not args.out or not args.vocab_size:
         raise DataError("training a tokenizer needs inputs, --out and --vocab-size (or check one with --load)")
+    out = Path(args.out)
+    if out.is_dir():
+        raise DataError(f"--out {out}: is a directory; give the path of the .model to write")
+    if out.exists() and not args.overwrite:
+        raise DataError(f"--out {out}: exists; pass --overwrite to replace it")
     stats = SourceStats()
     docs = read_documents(
         expand_inputs(args.inputs),
@@ -172,9 +179,29 @@ def _tokenizer(args) -> list[str]:
     return [f"tokenizer {args.out}: {tok.vocab_size} pieces ({args.model_type})"]
 
 
+def _check_shard_options(args) -> None:
+    """--workers, --compression and --size-limit of `prepare`, refused before any input is read."""
+    from megabam.data.streaming_import import import_streaming
+
+    import_streaming()  # its stand-ins go in before streaming.base is first imported
+    from streaming.base.compression import get_compressions
+    from streaming.base.util import bytes_to_int
+
+    if args.workers < 0:
+        raise DataError(f"--workers: must be 0 (in the main process) or more, got {args.workers}")
+    if args.compression != "none" and args.compression not in get_compressions():
+        raise DataError(f"--compression: unknown {args.compression!r} (zstd, zstd:LEVEL, gz, br, bz2, snappy, none)")
+    try:
+        if bytes_to_int(args.size_limit) < 1:
+            raise ValueError
+    except ValueError:
+        raise DataError(f"--size-limit: {args.size_limit!r} is not a size (e.g. 64mb, 1gb, 500000)") from None
+
+
 def _prepare(args) -> list[str]:
     from megabam.data.prepare import prepare_dataset
 
+    _check_shard_options(args)
     summary = prepare_dataset(
         args.inputs,
         args.out,
@@ -203,6 +230,13 @@ def _inspect(args) -> list[str]:
 def _synth(args) -> list[str]:
     from megabam.data.synth import write_synthetic_dataset
 
+    if args.essay is not None:
+        try:
+            Path(args.essay).read_bytes().decode("utf-8")
+        except OSError as e:
+            raise DataError(f"--essay {args.essay}: cannot read ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise DataError(f"--essay {args.essay}: not UTF-8 text (byte {e.start})") from None
     counts = write_synthetic_dataset(
         args.kind,
         args.out,

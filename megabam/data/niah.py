@@ -12,7 +12,7 @@ import random
 import uuid
 from dataclasses import dataclass
 
-from megabam.data.passkey import FILLER
+from megabam.data.passkey import FILLER, PromptTooShort
 from megabam.data.tokenizer import Tokenizer
 
 VARIANTS = ("single_1", "single_2", "single_3")
@@ -101,7 +101,7 @@ def niah_sample(
     question = tokenizer.encode(QUESTION.format(one=one, key=key))
     n_hay = n_tokens - len(head) - len(needle) - len(question)
     if n_hay < 0:
-        raise ValueError(f"n_tokens={n_tokens} is too short for a {variant} prompt")
+        raise PromptTooShort(f"n_tokens={n_tokens} is too short for a {variant} prompt")
     hay = (unit * -(-n_hay // len(unit)))[:n_hay]
     # Noise haystacks take the needle between filler sentences (as the passkey does); an essay
     # haystack at the nearest token.

@@ -21,6 +21,10 @@ QUESTION = " What is the pass key? The pass key is"
 ANSWER = " {key}"
 
 
+class PromptTooShort(ValueError):
+    """A prompt (passkey or needle) does not fit in the tokens asked for."""
+
+
 @dataclass
 class PasskeySample:
     """A passkey prompt and the tokens the model should continue it with."""
@@ -49,7 +53,7 @@ def passkey_sample(tokenizer: Tokenizer, n_tokens: int, depth: float, key: str) 
     unit = tokenizer.encode(FILLER)
     n_filler = n_tokens - len(head) - len(needle) - len(question)
     if n_filler < 0:
-        raise ValueError(f"n_tokens={n_tokens} is too short for a passkey prompt")
+        raise PromptTooShort(f"n_tokens={n_tokens} is too short for a passkey prompt")
     n_units = -(-n_filler // len(unit))
     filler = (unit * n_units)[:n_filler]
     cut = min(round(depth * n_filler / len(unit)) * len(unit), n_filler)

@@ -11,6 +11,7 @@ from megabam.config import Config, ConfigError
 from megabam.data.default_dataset import build_default_dataset
 from megabam.data.errors import DataError
 from megabam.data.mixture import StreamSpec, check_streams
+from megabam.data.passkey import PromptTooShort
 from megabam.data.shards import verify_shards
 from megabam.data.tokenizer import load_tokenizer
 
@@ -87,15 +88,30 @@ def build_training_data(cfg: Config, rank: int) -> TrainingData:
     cache_root = Path(cfg.data.cache_dir or os.environ.get("MEGABAM_CACHE") or "~/.cache/megabam").expanduser()
 
     def build():
-        return build_default_dataset(
-            cache_root,
-            sample_len=cfg.data.seq_len + 1,
-            vocab_size=cfg.model.vocab_size,
-            corpus_bytes=cfg.data.corpus_bytes,
-            passkey_fraction=cfg.data.passkey_fraction,
-            val_fraction=cfg.data.val_fraction,
-            seed=cfg.run.seed,
-        )
+        try:
+            return build_default_dataset(
+                cache_root,
+                sample_len=cfg.data.seq_len + 1,
+                vocab_size=cfg.model.vocab_size,
+                corpus_bytes=cfg.data.corpus_bytes,
+                passkey_fraction=cfg.data.passkey_fraction,
+                val_fraction=cfg.data.val_fraction,
+                seed=cfg.run.seed,
+            )
+        except PromptTooShort:
+            raise ConfigError(
+                "<config>",
+                "data.seq_len",
+                f"{cfg.data.seq_len} tokens cannot hold the default data's passkey documents "
+                f"(data.passkey_fraction={cfg.data.passkey_fraction}); lengthen it or set the fraction to 0",
+            ) from None
+        except RuntimeError as e:  # sentencepiece refuses this vocabulary size on the corpus
+            raise ConfigError(
+                "<config>",
+                "model.vocab_size",
+                f"the default corpus cannot train a tokenizer of {cfg.model.vocab_size} "
+                f"pieces ({str(e).splitlines()[0][-160:]})",
+            ) from None
 
     data = build() if rank == 0 else None
     dist.barrier()

@@ -51,9 +51,21 @@ def init_distributed() -> None:
         os.environ.update(rank_environment(0, 1, free_port()))
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])  # streaming reads it
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_extensions_dir()))
-    # On CPU, DeepSpeed JIT-builds its shared-memory communication op here (first start: ~20 s).
+    # Built (first start: ~20 s) or loaded under the lock, but outside the rendezvous: a rank holding
+    # the lock while it waits for the others to join would wait for ever on those waiting for the lock.
     with extension_build_lock(Path(os.environ["TORCH_EXTENSIONS_DIR"])):
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+        _build_deepspeed_cpu_op()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+
+
+def _build_deepspeed_cpu_op() -> None:
+    """The shared-memory communication op DeepSpeed's CPU backend loads in init_distributed (the same
+    builder and compatibility test), so that init_distributed finds it built. Nothing on a GPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        builder.load(verbose=False)
 
 
 def default_extensions_dir() -> Path:

@@ -16,6 +16,7 @@ with `weights_only=True`.
 """
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -137,7 +138,10 @@ def list_tags(run_dir: Path) -> list[str]:
 def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int) -> Path:
     """Collective. Every rank writes its DeepSpeed shard and RNG state into a temporary directory;
     the ranks hash the files between them; rank 0 writes metadata and manifest, renames the
-    directory into place, moves `latest`, and deletes all but the newest `keep` checkpoints."""
+    directory into place, moves `latest`, and deletes all but the newest `keep` checkpoints.
+
+    A write that fails on any rank (a full disk, say) fails the save on every rank alike, with one
+    CheckpointError saying that the previous checkpoint is intact: nothing of it was touched."""
     rank, world = dist.get_rank(), dist.get_world_size()
     root, tag = checkpoint_root(run_dir), tag_for(meta.step)
     tmp = root / f".tmp-{tag}"
@@ -146,26 +150,55 @@ def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int) -> Path:
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
-    _write_json(tmp / f"rng_rank{rank:05d}.json", rng.capture())
-    if rank == 0:
-        _write_text_atomic(tmp / META_FILE, meta.to_json())
-    dist.barrier()
+    failure = None
+    try:
+        engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+        _write_json(tmp / f"rng_rank{rank:05d}.json", rng.capture())
+        if rank == 0:
+            _write_text_atomic(tmp / META_FILE, meta.to_json())
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        failure = e
+    _all_written(failure, root, tag, engine.device)
 
+    failure = None
     files = sorted(p.name for p in tmp.iterdir() if p.is_file())
     digests = {name: _digest(tmp / name) for name in files[rank::world]}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, digests)
     if rank == 0:
-        manifest = {name: d for part in gathered for name, d in part.items()}
-        _write_json(tmp / MANIFEST_FILE, {"files": manifest})
-        _fsync_dir(tmp)
-        os.rename(tmp, root / tag)
-        _write_text_atomic(root / "latest", tag)
+        try:
+            manifest = {name: d for part in gathered for name, d in part.items()}
+            _write_json(tmp / MANIFEST_FILE, {"files": manifest})
+            _fsync_dir(tmp)
+            os.rename(tmp, root / tag)
+            _write_text_atomic(root / "latest", tag)
+        except OSError as e:
+            failure = e
+    _all_written(failure, root, tag, engine.device)
+    if rank == 0:
         for old in list_tags(run_dir)[keep:]:
             shutil.rmtree(root / old)
     dist.barrier()
     return root / tag
+
+
+def _all_written(failure: Exception | None, root: Path, tag: str, device) -> None:
+    """Collective: raise on every rank when a write failed on any (its temporary directory removed)."""
+    failed = torch.tensor([0.0 if failure is None else 1.0], device=device)
+    dist.all_reduce(failed)
+    if failed.item() == 0:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(root / f".tmp-{tag}", ignore_errors=True)
+    previous = next((t for t in list_tags(root.parent) if t != tag), None)
+    kept = f"the previous checkpoint {root / previous} is intact" if previous else "no earlier checkpoint exists"
+    if failure is None:
+        reason = "a write failed on another rank"
+    elif shutil.disk_usage(root).free < 1 << 20:
+        reason = os.strerror(errno.ENOSPC)
+    else:
+        reason = getattr(failure, "strerror", None) or str(failure).splitlines()[0]
+    raise CheckpointError(f"saving {root / tag} failed ({reason}); {kept}")
 
 
 def find_valid(run_dir: Path, report: Callable[[str], None]) -> str | None:

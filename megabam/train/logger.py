@@ -4,6 +4,7 @@ Messages go through megabam/log.py, which writes around the progress bar."""
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -13,6 +14,8 @@ from torch import nn
 from tqdm import tqdm
 
 from megabam.config.schema import Config, LoggingConfig
+
+log = logging.getLogger(__name__)
 
 # Dense bf16 peak of one device, for the MFU estimate when logging.peak_tflops is not set.
 KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -47,6 +50,7 @@ def head_parameters(blocks: list[tuple[int, nn.Module]]) -> dict[str, float]:
 class RunLogger:
     def __init__(self, cfg: Config, run_dir: Path, start_step: int, wandb_id: str | None, enabled: bool):
         self.enabled = enabled
+        self.write_failed = False
         self.bar = None
         self.wandb_run = None
         if not enabled:
@@ -69,8 +73,13 @@ class RunLogger:
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps({"step": step, **{k: v for k, v in metrics.items() if "/" not in k}}) + "\n")
+        try:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps({"step": step, **{k: v for k, v in metrics.items() if "/" not in k}}) + "\n")
+        except OSError as e:  # a full disk: the rows after the last checkpoint are rewritten on resume
+            if not self.write_failed:
+                log.warning(f"{self.metrics_path}: cannot append ({e.strerror}); training goes on")
+            self.write_failed = True
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
 

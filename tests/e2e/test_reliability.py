@@ -6,10 +6,12 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 from helpers.runs import megabam_train, start_train, wait_for_step
 
 from megabam.parallel.distributed import default_extensions_dir
@@ -157,3 +159,56 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_with_a_message(tmp_path,
     stale.write_text("")
     result = megabam_train(tmp_path, data_cache, "run.name=stale", "train.steps=3", "eval.passkey_samples=0")
     assert f"removed a stale build lock {stale}" in result.stdout and not stale.exists()
+
+
+def test_default_data_that_cannot_be_built_is_a_one_line_error(tmp_path, data_cache):
+    """A vocabulary sentencepiece cannot train on the default corpus, and sequences too short for its
+    passkey documents: one line naming the key, exit 2, nothing left behind."""
+    cache = tmp_path / "cache"
+    for override, message in [
+        ("model.vocab_size=100", "model.vocab_size: the default corpus cannot train a tokenizer of 100 pieces"),
+        ("data.seq_len=1", "data.seq_len: 1 tokens cannot hold the default data's passkey documents"),
+    ]:
+        result = megabam_train(tmp_path, cache, "run.name=nodata", override, check=False)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert message in result.stderr.strip().splitlines()[-1]
+        assert not (tmp_path / "nodata").exists() and not [p for p in cache.glob("*") if p.is_dir()]
+
+
+def _fill(path: Path) -> None:
+    """Write into `path` until the filesystem is full (smaller and smaller writes take the last bytes)."""
+    with path.open("wb", buffering=0) as f:
+        for chunk in (1 << 20, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError:
+                pass
+
+
+def test_a_full_disk_during_a_save_says_the_previous_checkpoint_is_intact(tmp_path, data_cache):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("needs a small filesystem to fill: `mount -t tmpfs` is not allowed here (not root?)")
+    proc = None
+    try:
+        run = ["run.name=full", "checkpoint.every=3", "checkpoint.keep=5", "logging.wandb_mode=disabled"]
+        proc = start_train(disk, data_cache, *run, "train.steps=100000", log=tmp_path / "full.log")
+        wait_for_step(disk / "full", 4, proc)  # the step-3 checkpoint is complete
+        saved = disk / "full" / "checkpoints" / "step_00000003"
+        before = digests(saved)
+        _fill(disk / "filler")
+        assert proc.wait(timeout=300) == 2
+        last = (tmp_path / "full.log").read_text().strip().splitlines()[-1]
+        assert last.startswith(f"megabam: error: saving {disk / 'full' / 'checkpoints'}/step_")
+        assert last.endswith(f"failed (No space left on device); the previous checkpoint {saved} is intact")
+        assert digests(saved) == before and not list(saved.parent.glob(".tmp-*"))
+        (disk / "filler").unlink()
+        resumed = megabam_train(disk, data_cache, *run, "train.steps=5")
+        assert f"resumed from {saved} at step 3" in resumed.stdout
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        subprocess.run(["umount", "-l", str(disk)])

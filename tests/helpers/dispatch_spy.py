@@ -16,7 +16,7 @@ def spy_on_ops(monkeypatch, reference: tuple, kernel: tuple) -> list:
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, op)
-    monkeypatch.setattr(dispatch, "_logged", set())
+    monkeypatch.setattr(dispatch, "logged_choices", set())
     monkeypatch.delenv(dispatch.ENV, raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return ran

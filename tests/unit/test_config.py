@@ -145,3 +145,13 @@ def test_non_finite_non_positive_and_path_like_values_are_refused(override, key)
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert err.value.key == key
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("window.probabilities=[0.3]", "window.probabilities"), ("window.anneal_fraction=2", "window.anneal_fraction")],
+)
+def test_window_section_is_checked_without_sliding_window_layers(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.layer_pattern=[attention]", override])
+    assert err.value.key == key

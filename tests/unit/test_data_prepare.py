@@ -443,3 +443,105 @@ def test_synth_writes_a_mixable_dataset(tmp_path, tok_path, capsys):
     )
     assert_one_line_error(code, err, "too short")
     assert not (tmp_path / "short").exists()
+
+
+def _digests(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["tokenizer", "{inputs}", "--out", "{tmp}", "--vocab-size", "300"], "is a directory"),
+        (["tokenizer", "{inputs}", "--out", "{model}", "--vocab-size", "300"], "exists; pass --overwrite"),
+        (
+            ["prepare", "{inputs}", "--out", "{tmp}/p", "--tokenizer", "{model}", "--seq-len", "8", "--workers", "-1"],
+            "--workers: must be 0",
+        ),
+        (
+            [
+                "prepare",
+                "{inputs}",
+                "--out",
+                "{tmp}/p",
+                "--tokenizer",
+                "{model}",
+                "--seq-len",
+                "8",
+                "--compression",
+                "bogus",
+            ],
+            "--compression: unknown 'bogus'",
+        ),
+        (
+            [
+                "prepare",
+                "{inputs}",
+                "--out",
+                "{tmp}/p",
+                "--tokenizer",
+                "{model}",
+                "--seq-len",
+                "8",
+                "--size-limit",
+                "lots",
+            ],
+            "--size-limit: 'lots' is not a size",
+        ),
+        (
+            [
+                "synth",
+                "niah_single_2",
+                "--out",
+                "{tmp}/s",
+                "--tokenizer",
+                "{model}",
+                "--seq-len",
+                "64",
+                "--train",
+                "2",
+                "--essay",
+                "{tmp}/missing.txt",
+            ],
+            "cannot read",
+        ),
+        (
+            [
+                "synth",
+                "niah_single_2",
+                "--out",
+                "{tmp}/s",
+                "--tokenizer",
+                "{model}",
+                "--seq-len",
+                "64",
+                "--train",
+                "2",
+                "--essay",
+                "{binary}",
+            ],
+            "not UTF-8 text",
+        ),
+    ],
+    ids=[
+        "tokenizer-out-dir",
+        "tokenizer-out-exists",
+        "workers",
+        "compression",
+        "size-limit",
+        "essay-missing",
+        "essay-binary",
+    ],
+)
+def test_bad_data_command_arguments_are_one_line_errors_that_change_nothing(tmp_path, tok_path, capsys, args, message):
+    (tmp_path / "in.txt").write_text("some text to read\n")
+    model = tmp_path / "sp.model"
+    model.write_bytes(tok_path.read_bytes())
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe text")
+    before = _digests(tmp_path)
+    filled = [
+        a.format(inputs=tmp_path / "in.txt", tmp=tmp_path, model=model, binary=tmp_path / "binary.txt") for a in args
+    ]
+    code, _, err = run_cli(capsys, "data", *filled)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert _digests(tmp_path) == before
