@@ -55,6 +55,12 @@ def init_distributed() -> None:
     # the lock while it waits for the others to join would wait for ever on those waiting for the lock.
     with extension_build_lock(Path(os.environ["TORCH_EXTENSIONS_DIR"])):
         _build_deepspeed_cpu_op()
+    world = int(os.environ["WORLD_SIZE"])
+    if world > 1:  # the rendezvous waits for every rank; say so before waiting
+        log.info(
+            f"joining the {world} ranks at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
+            f"(waiting up to {deepspeed.constants.default_pg_timeout} for all of them)"
+        )
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
 
 

@@ -19,10 +19,11 @@ import dataclasses
 import errno
 import json
 import os
+import pickle
 import re
 import shutil
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,15 +202,33 @@ def _all_written(failure: Exception | None, root: Path, tag: str, device) -> Non
     raise CheckpointError(f"saving {root / tag} failed ({reason}); {kept}")
 
 
-def find_valid(run_dir: Path, report: Callable[[str], None]) -> str | None:
-    """Collective. The newest checkpoint that verifies against its manifest, or None.
-    Every skipped checkpoint is reported with the reason."""
+class UnusableCheckpoint(RuntimeError):
+    """A checkpoint that verified but could not be loaded (on some rank); the previous one is tried."""
+
+
+def valid_tags(run_dir: Path, report: Callable[[str], None]) -> Iterator[str]:
+    """Collective. The checkpoints that verify against their manifests, newest first; every skipped
+    one is reported with the reason and set aside (`set_aside`)."""
     for tag in list_tags(run_dir):
         problem = _verify(checkpoint_root(run_dir) / tag)
         if problem is None:
-            return tag
-        report(f"checkpoint {checkpoint_root(run_dir) / tag} is unusable ({problem}); trying the previous one")
-    return None
+            yield tag
+        else:
+            report(f"checkpoint {checkpoint_root(run_dir) / tag} is unusable ({problem}); {set_aside(run_dir, tag)}")
+
+
+def set_aside(run_dir: Path, tag: str) -> str:
+    """Collective: rename an unusable checkpoint to .unusable-TAG (kept for inspection, never deleted
+    or written over), so the run can save that step afresh; returns what was done, for the report."""
+    root = checkpoint_root(run_dir)
+    aside, n = root / f".unusable-{tag}", 1
+    while aside.exists():
+        n += 1
+        aside = root / f".unusable-{tag}-{n}"
+    if dist.get_rank() == 0:
+        os.rename(root / tag, aside)
+    dist.barrier()
+    return f"set aside as {aside.name}, trying the previous one"
 
 
 def read_meta(run_dir: Path, tag: str) -> CheckpointMeta:
@@ -219,9 +238,17 @@ def read_meta(run_dir: Path, tag: str) -> CheckpointMeta:
 def load(engine, run_dir: Path, tag: str) -> CheckpointMeta:
     """Restore engine (model, optimizer, scheduler) and this rank's RNG from `tag`; return its metadata."""
     root = checkpoint_root(run_dir)
-    load_path, _ = engine.load_checkpoint(str(root), tag=tag)
-    if load_path is None:
-        raise FileNotFoundError(f"{root / tag}: DeepSpeed could not load this checkpoint")
+    failure = None
+    try:
+        if engine.load_checkpoint(str(root), tag=tag)[0] is None:
+            failure = "DeepSpeed found nothing to load"
+    except (pickle.UnpicklingError, RuntimeError, OSError, KeyError, ValueError) as e:
+        # weights_only refuses a file that holds anything but tensors and plain data
+        failure = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
+    failed = torch.tensor([0.0 if failure is None else 1.0], device=engine.device)
+    dist.all_reduce(failed)
+    if failed.item():
+        raise UnusableCheckpoint(failure or "it failed to load on another rank")
     rng_file = root / tag / f"rng_rank{dist.get_rank():05d}.json"
     rng.restore(json.loads(rng_file.read_text()))
     return read_meta(run_dir, tag)

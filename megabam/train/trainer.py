@@ -208,32 +208,39 @@ class Trainer:
         self.peak_tflops = peak_tflops(cfg.logging)
 
     def _resume(self) -> CheckpointMeta:
-        """Load the newest valid checkpoint after checking that the config change is allowed."""
+        """Load the newest checkpoint that verifies and loads, after checking that the config change
+        is allowed; one that fails to load is reported and the previous one tried."""
         root = checkpoint.checkpoint_root(self.run_dir)
-        tag = checkpoint.find_valid(self.run_dir, log.info)
-        if tag is None:
-            raise RunDirError(f"{root}: no usable checkpoint to resume from")
-        saved = checkpoint.read_meta(self.run_dir, tag)
-        if saved.step > self.cfg.train.steps:
-            raise RunDirError(
-                f"{root / tag}: the checkpoint is at step {saved.step}, beyond train.steps={self.cfg.train.steps}; "
-                "nothing to do (raise train.steps to train on)"
-            )
-        refused, accepted = config_changes(saved.config, asdict(self.cfg))
-        if refused:
-            raise ConfigError("<resume>", "config", f"cannot resume {root / tag} with changed " + "; ".join(refused))
-        for line in accepted:
-            log.info(f"resume: accepted config change {line}")
-        t0 = time.perf_counter()
-        meta = checkpoint.load(self.engine.deepspeed, self.run_dir, tag)
-        self.train_loader.load_state_dict(meta.loader)
-        if self.sampler is not None and meta.window_sampler:
+        for tag in checkpoint.valid_tags(self.run_dir, log.info):
+            saved = checkpoint.read_meta(self.run_dir, tag)
+            if saved.step > self.cfg.train.steps:
+                raise RunDirError(
+                    f"{root / tag}: the checkpoint is at step {saved.step}, beyond train.steps={self.cfg.train.steps}; "
+                    "nothing to do (raise train.steps to train on)"
+                )
+            refused, accepted = config_changes(saved.config, asdict(self.cfg))
+            if refused:
+                raise ConfigError(
+                    "<resume>", "config", f"cannot resume {root / tag} with changed " + "; ".join(refused)
+                )
+            for line in accepted:
+                log.info(f"resume: accepted config change {line}")
+            t0 = time.perf_counter()
             try:
-                self.sampler.load_state_dict(meta.window_sampler)
-            except ValueError as e:  # its config keys were accepted above; the windows drawn from here on change
-                log.info(f"resume: {e}")
-        log.info(f"resumed from {root / tag} at step {meta.step} (loaded in {time.perf_counter() - t0:.2f} s)")
-        return meta
+                meta = checkpoint.load(self.engine.deepspeed, self.run_dir, tag)
+            except checkpoint.UnusableCheckpoint as e:
+                done = checkpoint.set_aside(self.run_dir, tag)
+                log.info(f"checkpoint {root / tag} is unusable (it does not load: {e}); {done}")
+                continue
+            self.train_loader.load_state_dict(meta.loader)
+            if self.sampler is not None and meta.window_sampler:
+                try:
+                    self.sampler.load_state_dict(meta.window_sampler)
+                except ValueError as e:  # its config keys were accepted above; the windows drawn from here on change
+                    log.info(f"resume: {e}")
+            log.info(f"resumed from {root / tag} at step {meta.step} (loaded in {time.perf_counter() - t0:.2f} s)")
+            return meta
+        raise RunDirError(f"{root}: no usable checkpoint to resume from")
 
     def train_step(self, preemption: PreemptionFlag) -> StepResult:
         """One optimizer step; one collective agrees on its loss, whether the update was applied and

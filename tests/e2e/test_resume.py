@@ -1,12 +1,15 @@
 """Issue "Resumable pretraining": kill -9 and SIGTERM mid-run, corrupted checkpoints, NaN steps and
 config changes — the resumed run must repeat the uninterrupted run's losses exactly."""
 
+import json
 import os
 import random
 import signal
 
 import psutil
 import pytest
+import torch
+import xxhash
 from helpers.runs import losses, megabam_train, start_train, wait_for_step
 
 STEPS = 14
@@ -74,20 +77,34 @@ def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, data
     assert len(list((run_dir / "checkpoints" / tag).glob("*optim_states.pt"))) == 2
 
 
-@pytest.mark.parametrize("damage", ["truncate", "no-manifest", "manifest-without-files", "manifest-a-list"])
+class NotATensor:
+    """Any object but tensors and plain data: what a crafted checkpoint file might hold."""
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncate", "no-manifest", "manifest-without-files", "manifest-a-list", "non-tensor-pickle"]
+)
 def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, data_cache, damage):
     megabam_train(tmp_path, data_cache, "run.name=damaged", *RUN[1:], "train.steps=6")
     newest = tmp_path / "damaged" / "checkpoints" / "step_00000006"
     if damage == "truncate":
         shard = next(newest.glob("*optim_states.pt"))
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif damage == "non-tensor-pickle":  # crafted: a pickle weights_only refuses, with a manifest to match
+        states = next(newest.glob("*model_states.pt"))
+        torch.save({"module": NotATensor()}, states)
+        manifest = json.loads((newest / "manifest.json").read_text())
+        digest = xxhash.xxh3_128(states.read_bytes()).hexdigest()
+        manifest["files"][states.name] = {"bytes": states.stat().st_size, "xxh3_128": digest}
+        (newest / "manifest.json").write_text(json.dumps(manifest))
     elif damage == "no-manifest":
         (newest / "manifest.json").unlink()
     else:  # valid JSON of the wrong shape
         (newest / "manifest.json").write_text('{"files": {}}' if damage == "manifest-without-files" else "[1, 2]")
     result = megabam_train(tmp_path, data_cache, "run.name=damaged", *RUN[1:], "train.steps=8")
     out = result.stdout + result.stderr
-    assert f"checkpoint {newest} is unusable" in out
+    assert f"checkpoint {newest} is unusable" in out and "set aside as .unusable-step_00000006" in out
+    assert (newest.parent / ".unusable-step_00000006").is_dir()  # kept, not deleted
     assert "resumed from" in out and "step_00000004 at step 4" in out
     assert "accepted config change train.steps: 6 → 8" in out
     assert (tmp_path / "damaged" / "checkpoints" / "latest").read_text().strip() == "step_00000008"
