@@ -41,44 +41,17 @@ def choose(backend: str, tensor: Tensor, op: str = "attention") -> str:
     return choice
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    theta_alpha: Tensor | None = None,
-    theta_beta: Tensor | None = None,
-    theta_mu: Tensor | None = None,
-    ssmax_s: Tensor | None = None,
-    ssmax_before_prior: bool = False,
-    doc_ids: Tensor | None = None,
-    window: int | None = None,
-    block_size: int = 128,
-    scale: float | None = None,
-    backend: str = "auto",
-) -> Tensor:
-    """BAM attention (arguments and result of megabam.kernels.bam_attention.bam_attention) on the op that
-    `choose(backend, q)` picks."""
+def attention(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **options) -> Tensor:
+    """BAM attention on the op that `choose(backend, q)` picks: `options` (theta_alpha, theta_beta,
+    theta_mu, ssmax_s, ssmax_before_prior, doc_ids, window, block_size, scale) and the result are
+    those of megabam.kernels.bam_attention.bam_attention, which the Triton op shares."""
     if choose(backend, q) == "triton":
         # Imported on first use: the CPU path never needs Triton, and the interpreter flag is read
         # when the kernel module is imported.
         from megabam.kernels.bam_attention_triton import bam_attention_triton as op
     else:
         op = bam_attention
-    return op(
-        q,
-        k,
-        v,
-        theta_alpha=theta_alpha,
-        theta_beta=theta_beta,
-        theta_mu=theta_mu,
-        ssmax_s=ssmax_s,
-        ssmax_before_prior=ssmax_before_prior,
-        doc_ids=doc_ids,
-        window=window,
-        block_size=block_size,
-        scale=scale,
-    )
+    return op(q, k, v, **options)
 
 
 def mlstm_chunkwise(
