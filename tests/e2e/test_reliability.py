@@ -123,7 +123,8 @@ def test_the_launcher_exits_with_the_ranks_code(tmp_path, data_cache):
     wait_for_step(tmp_path / "launcher", 2, proc)
     proc.send_signal(signal.SIGTERM)  # to the launch script, as a scheduler signals the job
     assert proc.wait(timeout=300) == 75
-    assert (tmp_path / "launcher.log").read_text().count("preempted (SIGTERM) after step") == 1  # rank 0 speaks
+    # Rank 0 speaks once, naming its own signal or, when the other rank's arrived first, that one.
+    assert (tmp_path / "launcher.log").read_text().count("preempted (") == 1
     assert (tmp_path / "launcher" / "checkpoints" / "latest").is_file()
     bad = megabam_train(tmp_path, data_cache, "run.name=bad", "parallel.tensor=3", nproc=2, check=False)
     assert bad.returncode == 2, bad.stderr[-2000:]
