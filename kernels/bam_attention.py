@@ -57,7 +57,7 @@ def key_start(doc_ids: Tensor | None, window: int | None, n: int, device) -> Ten
     return lo
 
 
-def _blocks(lo: Tensor, n: int, block: int):
+def query_blocks(lo: Tensor, n: int, block: int):
     """Yield (q_start, q_end, k_start): each query block and the first key any of its rows can see."""
     for qs in range(0, n, block):
         yield qs, min(qs + block, n), int(lo[:, qs].min())
@@ -78,40 +78,77 @@ def prior_terms(p: BamParams, delta: Tensor):
     return -torch.exp(expo.clamp(max=EXP_CAP)), expo < EXP_CAP, log_a, d
 
 
-def combine_logits(qk: Tensor, prior: Tensor | None, log_n: Tensor | None, p: BamParams) -> Tensor:
-    """Unmasked logits from the scaled dot products qk (.., H, R, C), the prior tile (H, R, C) or None,
-    and ln n_i (.., R, 1) or None: (qk + prior)·s·ln n_i, or qk·s·ln n_i + prior if ssmax_before_prior."""
-    logits = qk if prior is None else qk + prior
-    if p.s is None:
-        return logits
-    c = p.s[:, None, None] * log_n
-    return qk * c + prior if (prior is not None and p.ssmax_before_prior) else logits * c
+class Tile(NamedTuple):
+    """What block_logits computed besides the logits, for the backward: logits = (q·f)·kᵀ + bias."""
+
+    qf: Tensor  # q·f, (B, H, R, D)
+    f: Tensor | float  # the scale, times c = s·ln n_i (B or 1, H, R, 1) with SSMax
+    log_n: Tensor | None  # ln n_i (B or 1, 1, R, 1), None without SSMax
+    prior: tuple | None  # the prior_terms tuple over the tile's R + C - 1 offsets j - i
 
 
-def block_logits(q: Tensor, k: Tensor, qs: int, ks: int, lo: Tensor, p: BamParams):
-    """Masked logits (B, H, R, C) of query rows qs.. against keys ks.., plus what the backward needs.
+def query_factor(p: BamParams, log_n: Tensor | None) -> Tensor | float:
+    """f in logits = (q·f)·kᵀ + bias: the scale, times SSMax's c = s·ln n_i (.., H, R, 1) when on.
+
+    SSMax multiplies a whole row, (q·k·scale + prior)·c or q·k·scale·c + prior, so its q·k part is a
+    per-row scale of the queries and costs R·D multiplications instead of R·C."""
+    return p.scale if p.s is None else p.s[:, None, None] * log_n * p.scale
+
+
+def add_prior(logits: Tensor, prior: Tensor, log_n: Tensor | None, p: BamParams) -> Tensor:
+    """logits (.., H, R, C) += the prior's term, in place: prior·c when SSMax scales the prior too (the
+    default), the prior alone without SSMax or with ssmax_before_prior; prior (H, R, C)."""
+    if p.s is None or p.ssmax_before_prior:
+        return logits.add_(prior)
+    return logits.addcmul_(prior, p.s[:, None, None] * log_n)
+
+
+def toeplitz_tile(table: Tensor, R: int, C: int) -> Tensor:
+    """tile[h, i, j] = table[h, j - i + R - 1]: a tile of R rows and C columns of a function of j - i
+    given at its R + C - 1 offsets. Window w of unfold starts at offset w, so row i is window
+    R - 1 - i: the windows in reverse (one copy; a gather by index costs several times more)."""
+    return table.unfold(1, C, 1).flip(1)
+
+
+def diagonal_sums(tile: Tensor) -> Tensor:
+    """out[h, m] = Σ_i tile[h, i, m - (R - 1) + i]: the sums of an (H, R, C) tile along each diagonal
+    j - i = m - (R - 1), the adjoint of toeplitz_tile. Padding each row with R - 1 zeros on both sides
+    and reading the rows with one extra element of stride shifts row i left by i, so the diagonals
+    line up as columns (one copy and a column sum; a scatter-add by index costs several times more)."""
+    H, R, C = tile.shape
+    padded = torch.nn.functional.pad(tile, (R - 1, R - 1))
+    width = C + 2 * R - 2
+    return padded.as_strided((H, R, R + C - 1), (R * width, width + 1, 1)).sum(1)
+
+
+def block_logits(q: Tensor, k: Tensor, qs: int, ks: int, lo: Tensor, p: BamParams) -> tuple[Tensor, Tile]:
+    """Masked logits (B, H, R, C) of query rows qs.. against keys ks.., and the Tile the backward needs.
 
     q: (B, H, R, D) and k: (B, H, C, D) in the compute dtype, lo: (B or 1, R) key starts of the rows.
-    Returns (logits, qk, log_n, prior): qk the scaled dot products, log_n (B or 1, 1, R, 1) = ln n_i
-    or None, prior None or (tile (H, R, C), offset index (R, C), the prior_terms tuple over offsets).
-    Masked entries are -inf, so exp() makes them exactly 0.
+    Logits are (q·f)·kᵀ + the prior's term (query_factor, add_prior) + the mask (0 / -inf: masked
+    entries are -inf, so exp() makes them exactly 0), added in place to the matmul's output: the logit
+    tile is the op's largest tensor, and each pass over it costs about as much as the matmul itself
+    at these head sizes.
     """
     R, C = q.shape[-2], k.shape[-2]
     rows = torch.arange(qs, qs + R, device=q.device)
     cols = torch.arange(ks, ks + C, device=q.device)
-    qk = (q @ k.transpose(-1, -2)) * p.scale
+    log_n = None if p.s is None else torch.log((rows - lo + 1).to(q.dtype))[:, None, :, None]
+    f = query_factor(p, log_n)
+    qf = q * f
+    logits = torch.matmul(qf, k.transpose(-1, -2))
     prior = None
     if p.alpha is not None:
         # The prior depends on j - i only: evaluate it once per offset (R + C - 1 values, not R·C)
-        # and gather the tile from that Toeplitz table.
+        # and read the tile from that Toeplitz table.
         first = ks - (qs + R - 1)
-        terms = prior_terms(p, torch.arange(first, ks + C - qs, device=q.device))
-        idx = cols[None, :] - rows[:, None] - first
-        prior = (terms[0][:, idx], idx, terms)
-    log_n = None if p.s is None else torch.log((rows - lo + 1).to(qk.dtype))[:, None, :, None]
-    logits = combine_logits(qk, None if prior is None else prior[0], log_n, p)
+        prior = prior_terms(p, torch.arange(first, ks + C - qs, device=q.device))
+        add_prior(logits, toeplitz_tile(prior[0], R, C), log_n, p)
+    # The mask as an additive tile (B or 1, 1, R, C): masked_fill_ with a broadcast mask costs ~10x a
+    # vectorised add on CPU.
     allowed = (cols[None, None, :] <= rows[None, :, None]) & (cols[None, None, :] >= lo[:, :, None])
-    return logits.masked_fill(~allowed[:, None], -math.inf), qk, log_n, prior
+    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, -math.inf)
+    return logits.add_(mask[:, None]), Tile(qf, f, log_n, prior)
 
 
 class _BAMAttention(torch.autograd.Function):
@@ -122,51 +159,57 @@ class _BAMAttention(torch.autograd.Function):
         qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
         B, H, N, _ = q.shape
         out = torch.empty(B, H, N, v.shape[-1], dtype=dtype, device=q.device)
-        lse = torch.empty(B, H, N, dtype=dtype, device=q.device)
-        for qs, qe, ks in _blocks(lo, N, block):
+        for qs, qe, ks in query_blocks(lo, N, block):
             logits = block_logits(qc[:, :, qs:qe], kc[:, :, ks:qe], qs, ks, lo[:, qs:qe], p)[0]
-            lse[:, :, qs:qe] = torch.logsumexp(logits, -1)  # finite: the diagonal is always allowed
-            out[:, :, qs:qe] = torch.exp(logits - lse[:, :, qs:qe, None]) @ vc[:, :, ks:qe]
-        ctx.save_for_backward(q, k, v, lse, lo, alpha, beta, mu, s)
+            # The diagonal is always allowed, so no row is all -inf. Nothing per row is saved: a block
+            # holds whole rows, and the backward recomputes the softmax as cheaply as exp(logits - lse).
+            out[:, :, qs:qe] = torch.softmax(logits, -1) @ vc[:, :, ks:qe]
+        ctx.save_for_backward(q, k, v, lo, alpha, beta, mu, s)
         ctx.cfg = (ssmax_before_prior, block, scale)
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, lse, lo, alpha, beta, mu, s = ctx.saved_tensors
+        q, k, v, lo, alpha, beta, mu, s = ctx.saved_tensors
         ssmax_before_prior, block, scale = ctx.cfg
-        dtype = lse.dtype
+        dtype = compute_dtype(q)
         p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale)
         qc, kc, vc, do = q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype)
         _, H, N, _ = q.shape
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
         da, db, dm, ds = (torch.zeros(H, dtype=dtype, device=q.device) for _ in range(4))
-        for qs, qe, ks in _blocks(lo, N, block):
+        for qs, qe, ks in query_blocks(lo, N, block):
             qb, kb, vb, dob = qc[:, :, qs:qe], kc[:, :, ks:qe], vc[:, :, ks:qe], do[:, :, qs:qe]
-            logits, qk, log_n, prior = block_logits(qb, kb, qs, ks, lo[:, qs:qe], p)
-            prob = torch.exp(logits - lse[:, :, qs:qe, None])
+            logits, t = block_logits(qb, kb, qs, ks, lo[:, qs:qe], p)
+            prob = torch.softmax(logits, -1)
             dv[:, :, ks:qe] += prob.transpose(-1, -2) @ dob
-            # Softmax backward p⊙(dP - Σ_j p·dP). A block holds whole rows, so the row sum comes from
-            # the recomputed p rather than rowsum(dO⊙O) (equal in exact arithmetic; a key-tiled
-            # kernel must use the latter): consistent with p, a row with one allowed key gets exactly
-            # zero logit gradient instead of rounding noise amplified by the prior's derivative.
-            dp = dob @ vb.transpose(-1, -2)
-            dlogits = prob * (dp - (prob * dp).sum(-1, keepdim=True))
-            # Chain rule through the SSMax factor c = s·ln n; dlogits is 0 on masked entries.
-            dqk = dprior = dlogits
+            # Softmax backward p⊙(dP - Σ_j p·dP) in one fused pass, with the row sum from the recomputed
+            # p rather than rowsum(dO⊙O) (equal in exact arithmetic; a key-tiled kernel must use the
+            # latter): consistent with p, a row with one allowed key gets exactly zero logit gradient
+            # instead of rounding noise amplified by the prior's derivative. 0 on masked entries.
+            dlogits = torch.ops.aten._softmax_backward_data(dob @ vb.transpose(-1, -2), prob, -1, dtype)
+            dqf = dlogits @ kb  # d/d(q·f)
+            dq[:, :, qs:qe] = dqf * t.f
+            dk[:, :, ks:qe] += dlogits.transpose(-1, -2) @ t.qf
             if s is not None:
-                c = p.s[:, None, None] * log_n
-                pre_scale = qk if (prior is None or ssmax_before_prior) else qk + prior[0]
-                ds += (dlogits * pre_scale * log_n).sum((0, 2, 3))
-                dqk = dlogits * c
-                dprior = dlogits if ssmax_before_prior else dqk
-            dq[:, :, qs:qe] = dqk @ kb * scale
-            dk[:, :, ks:qe] += dqk.transpose(-1, -2) @ qb * scale
-            if prior is not None:
-                _, idx, (pr, live, log_a, d) = prior
-                # dL/dprior per offset: sum dprior over the batch and along each diagonal j - i.
-                dpr = torch.zeros_like(pr).index_add_(1, idx.flatten(), dprior.sum(0).flatten(1))
+                # c = s·ln n multiplies q·k·scale (and the prior unless ssmax_before_prior), so
+                # dL/ds = Σ ln n·(dlogits·q·k·scale [+ dlogits·prior]); the q·k part is the row dot
+                # product of q with dlogits @ k (R·D, not R·C).
+                ds += (t.log_n * (dqf * qb).sum(-1, keepdim=True)).sum((0, 2, 3)) * scale
+            if t.prior is not None:
+                pr, live, log_a, d = t.prior
+                # The prior tile is Toeplitz, so its gradient is wanted per offset: sums along each
+                # diagonal of dL/dtile (summed over the batch first).
+                batch_sum = dlogits.sum(0) if dlogits.shape[0] > 1 else dlogits[0]
+                if s is None or ssmax_before_prior:
+                    dpr = diagonal_sums(batch_sum)
+                else:  # the prior is scaled by c = s·ln n too
+                    log_n = t.log_n[0] if t.log_n.shape[0] == 1 else None
+                    per_n = batch_sum * log_n if log_n is not None else (dlogits * t.log_n).sum(0)
+                    sums = diagonal_sums(per_n)  # Σ over each diagonal of dlogits·ln n
+                    ds += (sums * pr).sum(1)
+                    dpr = sums * p.s[:, None]
                 g = torch.where(live, dpr * pr, 0)  # dL/d(exponent θα + θβ·log_a)
                 da += g.sum(1)
                 db += (g * log_a).sum(1)
@@ -284,9 +327,9 @@ def dense_bam_attention(
     lo = q_pos.new_zeros(q_pos.shape) if window is None else (q_pos - window + 1).clamp(min=0)
     delta = k_pos[None, :] - q_pos[:, None]  # j - i, (C, S)
     allowed = (k_pos[None, :] >= lo[:, None]) & (delta <= 0)
-    qk = (qc @ kc.transpose(-1, -2)) * p.scale
-    prior = None if p.alpha is None else prior_terms(p, delta.flatten())[0].view(-1, *delta.shape)
     log_n = None if p.s is None else torch.log((q_pos - lo + 1).to(dtype))[:, None]
-    logits = combine_logits(qk, prior, log_n, p)
+    logits = (qc * query_factor(p, log_n)) @ kc.transpose(-1, -2)
+    if p.alpha is not None:
+        add_prior(logits, prior_terms(p, delta.flatten())[0].view(-1, *delta.shape), log_n, p)
     probs = torch.softmax(logits.masked_fill(~allowed, -math.inf), dim=-1)
     return (probs @ vc).to(q.dtype)

@@ -1,9 +1,12 @@
 """The entry points of the ops that have Triton kernels (BAM attention, the chunkwise mLSTM cell): the
-kernel for CUDA tensors, the PyTorch reference for CPU tensors.
+kernel for CUDA tensors; on CPU, for attention calls without a prior that torch's fused attention can
+compute (kernels/bam_attention_sdpa.py: RoPE, NoPE, sinusoidal, SSMax alone), that; otherwise the
+PyTorch reference (the tiled op).
 
-The choice can be forced: the config key `model.kernels` (passed here as `backend`) or the
-environment variable MEGABAM_KERNELS, which wins when set so a run can be switched without editing
-its config. Each op's choice is logged once per process (per mode and choice).
+Mode `auto` makes that choice; `triton` or `reference` (the PyTorch reference everywhere, the oracle
+of the kernels' tests) forces one. The mode comes from the config key `model.kernels` (passed here as
+`backend`) or the environment variable MEGABAM_KERNELS, which wins when set so a run can be switched
+without editing its config. Each op's choice is logged once per process (per mode and choice).
 """
 
 import logging
@@ -11,6 +14,7 @@ import os
 
 from torch import Tensor
 
+from megabam.kernels import bam_attention_sdpa
 from megabam.kernels.bam_attention import bam_attention
 from megabam.kernels.mlstm import MLstmState
 from megabam.kernels.mlstm import mlstm_chunkwise as mlstm_chunkwise_reference
@@ -22,13 +26,14 @@ log = logging.getLogger(__name__)
 logged_choices: set = set()  # (op, mode, choice) already logged by this process
 
 
-def choose(backend: str, tensor: Tensor, op: str = "attention") -> str:
-    """'triton' or 'reference' for a call of `op` on `tensor` under the configured mode `backend`."""
+def choose(backend: str, tensor: Tensor, op: str = "attention", sdpa_applies: bool = False) -> str:
+    """'triton', 'sdpa' or 'reference' for a call of `op` on `tensor` under the configured mode
+    `backend`; `sdpa_applies`: whether the fused CPU path can compute this call."""
     mode = os.environ.get(ENV) or backend
     if mode not in MODES:
         source = ENV if os.environ.get(ENV) else "model.kernels"
         raise ValueError(f"{source} must be one of {', '.join(MODES)}, got {mode!r}")
-    choice = mode if mode != "auto" else ("triton" if tensor.is_cuda else "reference")
+    choice = mode if mode != "auto" else ("triton" if tensor.is_cuda else "sdpa" if sdpa_applies else "reference")
     # Off the GPU a Triton launch only works under the interpreter (tests, debugging).
     if choice == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
@@ -42,13 +47,16 @@ def choose(backend: str, tensor: Tensor, op: str = "attention") -> str:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **options) -> Tensor:
-    """BAM attention on the op that `choose(backend, q)` picks: `options` (theta_alpha, theta_beta,
-    theta_mu, ssmax_s, ssmax_before_prior, doc_ids, window, block_size, scale) and the result are
-    those of megabam.kernels.bam_attention.bam_attention, which the Triton op shares."""
-    if choose(backend, q) == "triton":
+    """BAM attention on the op that `choose` picks: `options` (theta_alpha, theta_beta, theta_mu,
+    ssmax_s, ssmax_before_prior, doc_ids, window, block_size, scale) and the result are those of
+    megabam.kernels.bam_attention.bam_attention, which the other ops share."""
+    choice = choose(backend, q, sdpa_applies=bam_attention_sdpa.applies(**options))
+    if choice == "triton":
         # Imported on first use: the CPU path never needs Triton, and the interpreter flag is read
         # when the kernel module is imported.
         from megabam.kernels.bam_attention_triton import bam_attention_triton as op
+    elif choice == "sdpa":
+        op = bam_attention_sdpa.bam_attention_sdpa
     else:
         op = bam_attention
     return op(q, k, v, **options)

@@ -14,6 +14,11 @@ python=${MEGABAM_PYTHON:-$here/../.venv/bin/python}
 codes=$(mktemp -d "${TMPDIR:-/tmp}/megabam-exit.XXXXXX") || exit 1
 trap 'rm -rf "$codes"' EXIT
 export MEGABAM_EXIT_CODE_DIR=$codes  # each rank writes its exit code here
+# torchrun would set 1 thread per rank when unset; megabam's rule gives each rank its share of the cores.
+if [[ -z ${OMP_NUM_THREADS:-} ]]; then
+  OMP_NUM_THREADS=$("$python" -m megabam.parallel.threads --local-ranks "$nproc") || exit 2
+  export OMP_NUM_THREADS
+fi
 
 # --standalone: a private rendezvous on a free local port, so several jobs can share the node.
 "$python" -m torch.distributed.run --standalone --nproc-per-node="$nproc" -m megabam.cli train "$@" &

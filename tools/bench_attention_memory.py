@@ -1,6 +1,9 @@
 """Peak CPU memory and time of forward+backward of kernels.bam_attention vs a dense N x N version.
 
-Both run the GGD prior (θα, θβ, θμ) and SSMax with every input requiring grad, in float32.
+Both run the GGD prior (θα, θβ, θμ) and SSMax with every input requiring grad, in float32. Beside
+them, "fused": the CPU path for a prior without gradient (kernels/bam_attention_sdpa.py, torch's flash
+attention with the prior as a Toeplitz bias), run with ALiBi's fixed slopes, no SSMax, gradients for
+q, k, v: its memory must stay linear in N like the tiled op's.
 
 Method: every (variant, N) case runs in a fresh subprocess, so one case's high-water mark cannot leak
 into the next. The child imports torch, runs a tiny warm-up call (lazy initialisation, thread pools),
@@ -46,6 +49,8 @@ def run_case(args):
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from megabam.kernels.bam_attention import bam_attention
+    from megabam.kernels.bam_attention_sdpa import bam_attention_sdpa
+    from megabam.model.positional import alibi_slopes
 
     torch.set_num_threads(args.threads)
 
@@ -59,6 +64,17 @@ def run_case(args):
     def step(ins, dout):
         if args.case == "dense":
             out = dense_attention(*ins, window=args.window)
+        elif args.case == "fused":
+            slopes = alibi_slopes(args.heads).log()
+            out = bam_attention_sdpa(
+                *ins[:3],
+                theta_alpha=slopes,
+                theta_beta=torch.ones(args.heads),
+                window=args.window,
+                block_size=args.block,
+            )
+            torch.autograd.grad(out, ins[:3], dout)
+            return
         else:
             out = bam_attention(
                 *ins[:3],
@@ -113,7 +129,7 @@ def main():
     ap.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads; 1 keeps timings stable on a shared machine"
     )
-    ap.add_argument("--case", choices=["tiled", "dense"], help=argparse.SUPPRESS)
+    ap.add_argument("--case", choices=["tiled", "dense", "fused"], help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
@@ -123,9 +139,13 @@ def main():
         f"B={args.batch} H={args.heads} D={args.dim} block={args.block} window={args.window} "
         f"threads={args.threads}, fp32, GGD prior + SSMax, forward+backward"
     )
-    print(f"{'N':>7} {'tiled MiB':>10} {'dense MiB':>10} {'ratio':>7} {'tiled ms':>9} {'dense ms':>9}")
+    print(
+        f"{'N':>7} {'tiled MiB':>10} {'dense MiB':>10} {'ratio':>7} {'tiled ms':>9} {'dense ms':>9}"
+        f" {'fused MiB':>10} {'fused ms':>9}"
+    )
     for n in args.lengths:
         tiled = measure("tiled", n, args)
+        fused = measure("fused", n, args)
         need = DENSE_NN_TENSORS * args.batch * args.heads * n * n * 4
         dense = measure("dense", n, args) if need < 0.8 * available_bytes() else None
         dense_txt = "OOM/skip" if dense is None else f"{dense['peak_mib']:.1f}"
@@ -133,7 +153,8 @@ def main():
         t_mib = "failed" if tiled is None else f"{tiled['peak_mib']:.1f}"
         t_ms = "-" if tiled is None else f"{tiled['ms']:.0f}"
         d_ms = "-" if dense is None else f"{dense['ms']:.0f}"
-        print(f"{n:>7} {t_mib:>10} {dense_txt:>10} {ratio:>7} {t_ms:>9} {d_ms:>9}", flush=True)
+        f_mib, f_ms = ("failed", "-") if fused is None else (f"{fused['peak_mib']:.1f}", f"{fused['ms']:.0f}")
+        print(f"{n:>7} {t_mib:>10} {dense_txt:>10} {ratio:>7} {t_ms:>9} {d_ms:>9} {f_mib:>10} {f_ms:>9}", flush=True)
 
 
 if __name__ == "__main__":

@@ -179,8 +179,9 @@ class ModelConfig:
     gated_deltanet: GatedDeltaNetConfig = doc(GatedDeltaNetConfig, "Gated DeltaNet mixer (`gated_deltanet`) settings.")
     kernels: Literal["auto", "triton", "reference"] = doc(
         "auto",
-        "Attention and chunkwise mLSTM ops: auto = Triton kernels on CUDA tensors, PyTorch references on CPU; "
-        "triton or reference forces one (env MEGABAM_KERNELS overrides; triton on CPU only under TRITON_INTERPRET=1).",
+        "Attention and chunkwise mLSTM ops: auto = Triton kernels on CUDA tensors; on CPU torch's fused attention "
+        "for attention without a prior, else the PyTorch references; triton or reference forces one "
+        "(env MEGABAM_KERNELS overrides; triton on CPU only under TRITON_INTERPRET=1).",
     )
 
     def ffn_hidden_size(self) -> int:

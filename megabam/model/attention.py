@@ -15,7 +15,7 @@ from torch import nn
 from megabam.config.schema import AttentionConfig, ModelConfig
 from megabam.kernels.bam_attention import dense_bam_attention
 from megabam.kernels.dispatch import attention
-from megabam.model.positional import AlibiPrior, BamPrior, apply_rope, rope_tables
+from megabam.model.positional import AlibiPrior, BamPrior, apply_rope, rope_rotation
 from megabam.model.registry import register_mixer
 from megabam.model.sharding import TensorParallelPlan
 
@@ -101,18 +101,19 @@ class Attention(nn.Module):
             head_counts={"attention": self.n_heads, "attention key/value": self.kv_heads},
         )
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B, n_heads, N, D) and k, v (B, kv_heads, N, D) from the fused projection [q | k | v]."""
+    def _project(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, n_heads, N, D) and k, v (B, kv_heads, N, D) from the fused projection [q | k | v], q and
+        k rotated together under RoPE (positions start..)."""
         B, N, _ = x.shape
-        q, k, v = self.qkv(x).split([self.n_heads * self.head_dim] + 2 * [self.kv_heads * self.head_dim], dim=-1)
-        return tuple(t.view(B, N, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        qk, v = self.qkv(x).view(B, N, -1, self.head_dim).split([self.n_heads + self.kv_heads, self.kv_heads], dim=2)
+        if self.rope_theta is not None:
+            qk = apply_rope(qk, rope_rotation(N, self.head_dim, self.rope_theta, device=x.device, start=start))
+        q, k = qk.split([self.n_heads, self.kv_heads], dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         B, N, _ = x.shape
         q, k, v = self._project(x)
-        if self.rope_theta is not None:
-            cos, sin = rope_tables(N, self.head_dim, self.rope_theta, device=x.device)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         theta_alpha, theta_beta, theta_mu = self.prior() if self.prior is not None else (None, None, None)
         y = attention(
             q,
@@ -140,10 +141,7 @@ class Attention(nn.Module):
         B, C, _ = x.shape
         window = self.window_of(seq)
         start = 0 if cache is None else cache.length
-        q, k, v = self._project(x)
-        if self.rope_theta is not None:
-            cos, sin = rope_tables(C, self.head_dim, self.rope_theta, device=x.device, start=start)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._project(x, start)
         if cache is not None and window is not None and cache.k.shape[2] != window:
             raise ValueError(f"the stream was started with window {cache.k.shape[2]}, not {window}")
         if cache is None:

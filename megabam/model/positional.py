@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from megabam.config.schema import BamConfig
+from megabam.kernels.precision import compute_dtype
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -64,21 +65,20 @@ class AlibiPrior(nn.Module):
         return self.theta_alpha, self.theta_beta, None
 
 
-def rope_tables(
-    seq_len: int, head_dim: int, theta: float, device=None, start: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (seq_len, head_dim/2) of positions start.. (start > 0 continues a stream)."""
+def rope_rotation(seq_len: int, head_dim: int, theta: float, device=None, start: int = 0) -> torch.Tensor:
+    """e^(i·p·ω_k) for positions p = start.. (start > 0 continues a stream) and ω_k = θ^(-2k/head_dim):
+    (seq_len, head_dim/2) complex64."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(start, start + seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of a (B, H, N, D) tensor by position-dependent angles."""
-    x32 = x.float()
-    even, odd = x32[..., 0::2], x32[..., 1::2]
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
+def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (x[2k], x[2k+1]) of a (B, N, heads, D) tensor by their position's angles: as
+    complex numbers x[2k] + i·x[2k+1] times rotation (N, D/2). One complex multiply, forward and
+    backward, where rotating the even and odd halves separately takes six elementwise passes."""
+    pairs = torch.view_as_complex(x.to(compute_dtype(x)).unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation.to(pairs.dtype)[:, None]).flatten(-2).type_as(x)
 
 
 def sinusoidal_table(seq_len: int, dim: int, device=None, start: int = 0) -> torch.Tensor:

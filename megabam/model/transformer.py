@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megabam.config.schema import ModelConfig
+from megabam.kernels.linear_cross_entropy import linear_cross_entropy
 
 # The mixer modules register their builders in MIXERS when imported.
 from megabam.model import attention, gated_deltanet, mlstm  # noqa: F401
@@ -26,13 +27,19 @@ class VocabOutput(nn.Module):
 
     Holds no weights: W is the embedding's when tied, else the LM head's. It is a module of its own so
     tensor parallelism can swap in a vocab-parallel version (megabam/parallel/tensor_parallel.py) that
-    computes the loss without gathering the logits. The three steps are separate methods because a
-    pipeline's last stage computes `local_logits` and DeepSpeed then calls `loss` on them.
+    computes the loss without gathering the logits. The steps are separate methods because a
+    pipeline's last stage computes `local_logits` and DeepSpeed then calls `loss` on them; with the
+    whole vocabulary on one rank, `hidden_loss` goes from h to the loss in chunks of tokens
+    (kernels/linear_cross_entropy.py) without holding all the logits.
     """
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.local_logits(h, weight)
-        return self.full_logits(logits) if labels is None else self.loss(logits, labels)
+        if labels is None:
+            return self.full_logits(self.local_logits(h, weight))
+        return self.hidden_loss(h, weight, labels)
+
+    def hidden_loss(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(h, weight, labels)
 
     def local_logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The logits this rank computes (all of them here; a vocabulary shard under TP)."""

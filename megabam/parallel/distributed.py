@@ -14,6 +14,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from megabam.parallel.threads import size_threads
+
 log = logging.getLogger(__name__)
 NOTE_EVERY_S = 30  # how long a start-up wait may last before it says again what it waits for
 
@@ -50,6 +52,7 @@ def init_distributed() -> None:
     if "RANK" not in os.environ:
         os.environ.update(rank_environment(0, 1, free_port()))
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])  # streaming reads it
+    size_threads()  # before any parallel work: ranks sharing a node must not oversubscribe its cores
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_extensions_dir()))
     # Built (first start: ~20 s) or loaded under the lock, but outside the rendezvous: a rank holding
     # the lock while it waits for the others to join would wait for ever on those waiting for the lock.

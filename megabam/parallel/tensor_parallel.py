@@ -181,6 +181,9 @@ class VocabParallelOutput(VocabOutput):
         final norm gathers the sequence)."""
         return copy_to_tensor_region(h, self.group)
 
+    def hidden_loss(self, h: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+        return self.loss(self.local_logits(h, weight), labels)  # the vocab-parallel loss, never gathered
+
     def local_logits(self, h: Tensor, weight: Tensor) -> Tensor:
         return F.linear(self.enter(h), weight)
 

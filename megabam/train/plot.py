@@ -3,13 +3,15 @@
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display on training nodes
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def plot_loss(metrics_path: Path, out_path: Path) -> None:
+    # Imported here: matplotlib costs about a second at start-up, in every rank, and only rank 0
+    # draws, once, at the end.
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training nodes
+    import matplotlib.pyplot as plt
+
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]

@@ -45,15 +45,18 @@ def test_kill9_then_auto_resume_repeats_the_losses(tmp_path, data_cache, setting
 def test_sigterm_checkpoints_and_exits_75_then_resumes_exactly(tmp_path, data_cache):
     megabam_train(tmp_path, data_cache, "run.name=reference", *RUN)
     run_dir = tmp_path / "signalled"
-    proc = start_train(tmp_path, data_cache, "run.name=signalled", *RUN, log=tmp_path / "signalled.log")
+    offline = "logging.wandb_mode=offline"  # and the wandb run continues under its id
+    proc = start_train(tmp_path, data_cache, "run.name=signalled", *RUN, offline, log=tmp_path / "signalled.log")
     wait_for_step(run_dir, 5, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 75
     stopped_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert 5 <= stopped_at < STEPS
     assert "preempted after step" in (tmp_path / "signalled.log").read_text()
-    megabam_train(tmp_path, data_cache, "run.name=signalled", *RUN)
+    megabam_train(tmp_path, data_cache, "run.name=signalled", *RUN, offline)
     assert losses(run_dir) == losses(tmp_path / "reference")
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and len({p.name.rsplit("-", 1)[1] for p in wandb_runs}) == 1, wandb_runs
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.pipeline=2"]], ids=["data_parallel", "pipeline"])

@@ -20,3 +20,17 @@ def test_bench_dry_run():
     assert "| 48 | causal | fwd+bwd | sdpa gqa 4/2 |" in done.stdout
     assert "check mlstm bfloat16 df: max rel err" in done.stdout
     assert "| 40 | fwd+bwd | triton | bfloat16 |" in done.stdout
+
+
+def test_cpu_training_benchmark_runs_its_table():
+    """tools/bench_cpu_train.py: the Llama beside megabam models, each through the op the dispatch
+    point chose, at a tiny size."""
+    cmd = [sys.executable, "tools/bench_cpu_train.py", "--lengths", "64", "--rounds", "1", "--steps", "1"]
+    done = subprocess.run(
+        [*cmd, "--warmup", "0", "--models", "rope", "bam+ssmax"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert rows["transformers Llama (sdpa)"].split("|")[4].strip() == "1.00"
+    assert rows["megabam rope"].endswith("| attention:sdpa |")
+    assert rows["megabam bam+ssmax"].endswith("| attention:reference |")

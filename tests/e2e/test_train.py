@@ -14,7 +14,13 @@ SWAX = REPO / "yaml_configs" / "swax_tiny_cpu.yaml"
 
 def test_main_job_end_to_end(tmp_path, data_cache):
     result = megabam_train(
-        tmp_path, data_cache, "run.name=e2e", "train.steps=30", "checkpoint.every=15", "train.eval_every=15"
+        tmp_path,
+        data_cache,
+        "run.name=e2e",
+        "train.steps=30",
+        "checkpoint.every=15",
+        "train.eval_every=15",
+        "logging.wandb_mode=offline",
     )
     run_dir = tmp_path / "e2e"
     assert "== megabam summary ==" in result.stdout and "passkey @ 128" in result.stdout

@@ -3,12 +3,14 @@
 from megabam.kernels import dispatch
 
 
-def spy_on_ops(monkeypatch, reference: tuple, kernel: tuple) -> list:
-    """Wrap the reference op `getattr(*reference)` and the kernel `getattr(*kernel)` (module, name) so
-    each call appends "reference" or "triton" to the returned list; reset the log-once set, clear
-    the environment override and keep the interpreter on."""
+def spy_on_ops(monkeypatch, reference: tuple, kernel: tuple, sdpa: tuple | None = None) -> list:
+    """Wrap the reference op `getattr(*reference)`, the kernel `getattr(*kernel)` and the fused CPU op
+    `getattr(*sdpa)` if given ((module, name) each) so each call appends "reference", "triton" or
+    "sdpa" to the returned list; reset the log-once set, clear the environment override and keep the
+    interpreter on."""
     ran = []
-    for label, (module, name) in (("reference", reference), ("triton", kernel)):
+    spied = [("reference", reference), ("triton", kernel)] + ([("sdpa", sdpa)] if sdpa else [])
+    for label, (module, name) in spied:
         real = getattr(module, name)
 
         def op(*args, _label=label, _real=real, **kwargs):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "yaml_configs" / "tiny_cpu.yaml"
-# Small enough to run in seconds, large enough that the loss must fall.
+# Small enough to run in seconds, large enough that the loss must fall. No wandb: its start costs
+# ~2 s per run (tests/e2e/test_train.py's main job and SIGTERM resume keep it, offline).
 SMALL = [
     "model.d_model=64",
     "model.n_layers=2",
@@ -22,6 +23,7 @@ SMALL = [
     "logging.progress_bar=false",
     "eval.passkey_samples=2",
     "eval.passkey_lengths=[]",
+    "logging.wandb_mode=disabled",
 ]
 
 

@@ -1,6 +1,7 @@
 """The dispatch point (kernels/dispatch.py) of each op that has a Triton kernel: the reference on CPU
-tensors unless forced, the kernel when forced (under the interpreter here), the environment winning
-over the config, each choice logged once per op, and bad modes refused in one line.
+tensors unless forced (attention without a prior: torch's fused attention), the kernel when forced
+(under the interpreter here), the environment winning over the config, each choice logged once per
+op, and bad modes refused in one line.
 
 TRITON_INTERPRET=1 is set before the kernel modules are imported, as in tests/unit/test_kernels_triton.py.
 """
@@ -14,6 +15,7 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"
 from helpers.dispatch_spy import spy_on_ops  # noqa: E402
 
+import megabam.kernels.bam_attention_sdpa as attention_sdpa  # noqa: E402
 import megabam.kernels.bam_attention_triton as attention_kernel  # noqa: E402
 import megabam.kernels.mlstm_triton as mlstm_kernel  # noqa: E402
 from megabam.kernels import dispatch  # noqa: E402
@@ -82,3 +84,40 @@ def test_dispatch_refuses_triton_on_cpu_without_interpreter(op, monkeypatch):
     with pytest.raises(ValueError, match="MEGABAM_KERNELS must be one of auto, triton, reference"):
         call("auto")
     assert ran == []
+
+
+@pytest.fixture
+def attention_ops(monkeypatch):
+    """Which attention op the dispatch point ran: "reference", "triton" or "sdpa"."""
+    return spy_on_ops(
+        monkeypatch,
+        (dispatch, "bam_attention"),
+        (attention_kernel, "bam_attention_triton"),
+        (attention_sdpa, "bam_attention_sdpa"),
+    )
+
+
+def _call(backend="auto", prior=False, **options):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 37, 16, generator=g) for _ in range(3))
+    if prior:
+        options.update(theta_alpha=-torch.rand(3, generator=g), theta_beta=torch.tensor([-0.5, 0.5, 1.5]))
+    return dispatch.attention(q, k, v, ssmax_s=0.5 + torch.rand(3, generator=g), backend=backend, **options)
+
+
+def test_auto_on_cpu_fuses_attention_without_a_prior(attention_ops, caplog):
+    docs = torch.tensor([[0] * 20 + [1] * 17] * 2)
+    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        fused = _call()
+        _call(window=8)
+        _call(window=8, doc_ids=docs)
+        _call(prior=True)  # a learned prior needs its gradient: the tiled op
+        _call(doc_ids=docs)  # documents without a window: the tiled op (bounded masks)
+        reference = _call("reference")
+    assert attention_ops == ["sdpa", "sdpa", "sdpa", "reference", "reference", "reference"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "attention op: sdpa (mode auto, cpu tensors)",
+        "attention op: reference (mode auto, cpu tensors)",
+        "attention op: reference (mode reference, cpu tensors)",
+    ]
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@ import torch
 
 from megabam.config import load_config
 from megabam.model import Decoder
-from megabam.model.positional import alibi_slopes, apply_rope, rope_tables, sinusoidal_table
+from megabam.model.positional import alibi_slopes, apply_rope, rope_rotation, sinusoidal_table
 
 V = 97
 
@@ -88,17 +88,18 @@ def test_document_aware_attention_isolates_documents(positional):
     assert not torch.allclose(model(packed)[:, 11:], model(second))
 
 
-def test_rope_matches_complex_rotation():
-    x = torch.randn(2, 3, 10, 8, dtype=torch.float64)
-    cos, sin = rope_tables(10, 8, 10000.0)
-    pos = torch.arange(10, dtype=torch.float64)[:, None]
-    freqs = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
-    rotated = torch.view_as_complex(x.view(2, 3, 10, 4, 2).contiguous()) * torch.polar(
-        torch.ones(10, 4, dtype=torch.float64), pos * freqs
-    )
-    torch.testing.assert_close(
-        apply_rope(x, cos.double(), sin.double()), torch.view_as_real(rotated).flatten(-2), rtol=1e-6, atol=1e-6
-    )
+def test_rope_rotates_each_pair_by_its_angle():
+    """Written out with cos and sin per pair, in float64: x (B, N, heads, D)."""
+    x = torch.randn(2, 10, 3, 8, dtype=torch.float64)
+    pos = torch.arange(10, dtype=torch.float64)[:, None, None]
+    angle = pos * 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)  # (N, 1, D/2)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    want = torch.stack([even * angle.cos() - odd * angle.sin(), even * angle.sin() + odd * angle.cos()], dim=-1)
+    got = apply_rope(x, rope_rotation(10, 8, 10000.0))
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want.flatten(-2), rtol=1e-6, atol=1e-6)  # the angles are fp32
+    # a stream continued at position 4 rotates as the whole sequence's positions 4..
+    torch.testing.assert_close(apply_rope(x[:, 4:], rope_rotation(6, 8, 10000.0, start=4)), got[:, 4:])
 
 
 def test_sinusoidal_table_formula():

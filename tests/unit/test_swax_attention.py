@@ -94,7 +94,8 @@ def test_full_attention_ignores_the_call_window():
 
 
 def test_cost_grows_as_n_times_window(monkeypatch):
-    """Each query tile touches at most tile + w − 1 key columns, so total work is N·(tile + w)."""
+    """Each query tile touches at most tile + w − 1 key columns, so total work is N·(tile + w) (the
+    tiled op; tests/unit/test_attention_sdpa.py checks the same of the fused CPU path)."""
     widths, real = [], bam.block_logits
 
     def counting(q, k, *args):
@@ -102,7 +103,7 @@ def test_cost_grows_as_n_times_window(monkeypatch):
         return real(q, k, *args)
 
     monkeypatch.setattr(bam, "block_logits", counting)
-    layer, _ = _swa()
+    layer, _ = _swa("model.kernels=reference")
     n, w = 500, 16
     layer(torch.randn(1, n, D, dtype=torch.float64), SequenceInfo(window=w))
     assert len(widths) == math.ceil(n / BLOCK) and max(widths) <= BLOCK + w - 1

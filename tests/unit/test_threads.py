@@ -1,0 +1,77 @@
+"""Threads per process (megabam/parallel/threads.py): cores ÷ local ranks, OMP_NUM_THREADS winning,
+the cgroup quota and CPU affinity read, bad values refused in one line; the real process obeys."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megabam.config import ConfigError
+from megabam.parallel.threads import available_cores, thread_count
+
+
+@pytest.mark.parametrize(
+    "environ, cores, want",
+    [
+        ({}, 16, 16),
+        ({"LOCAL_WORLD_SIZE": "2"}, 16, 8),
+        ({"LOCAL_WORLD_SIZE": "3"}, 16, 5),
+        ({"LOCAL_WORLD_SIZE": "2"}, 2, 1),
+        ({"LOCAL_WORLD_SIZE": "4"}, 2, 1),  # never 0
+        ({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "3"}, 16, 3),  # the user's setting wins
+    ],
+)
+def test_thread_count(environ, cores, want):
+    assert thread_count(environ, cores=cores)[0] == want
+
+
+@pytest.mark.parametrize(
+    "key, value", [("OMP_NUM_THREADS", "two"), ("OMP_NUM_THREADS", "0"), ("LOCAL_WORLD_SIZE", "-1")]
+)
+def test_bad_values_are_one_line_errors_naming_the_variable(key, value):
+    with pytest.raises(ConfigError, match=f"environment: {key}: must be a positive integer, got '{value}'"):
+        thread_count({key: value}, cores=4)
+
+
+def test_cgroup_quota_caps_the_affinity(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("150000 100000\n")  # 1.5 cores' worth of time: 2 threads at most
+    assert available_cores(cpu_max) == min(affinity, 2)
+    cpu_max.write_text("50000 100000\n")
+    assert available_cores(cpu_max) == 1
+    cpu_max.write_text("max 100000\n")
+    assert available_cores(cpu_max) == affinity
+    assert available_cores(tmp_path / "missing") == affinity
+
+
+PRINT_THREADS = "from megabam.parallel.threads import size_threads; print(size_threads())"
+
+
+def _threads_of_a_process(env: dict, prefix=()) -> int:
+    env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    out = subprocess.run([*prefix, sys.executable, "-c", PRINT_THREADS], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
+
+
+def test_a_process_takes_its_share_of_the_cores_it_may_run_on():
+    cores = available_cores()
+    assert _threads_of_a_process({"OMP_NUM_THREADS": None, "LOCAL_WORLD_SIZE": None}) == cores
+    assert _threads_of_a_process({"OMP_NUM_THREADS": None, "LOCAL_WORLD_SIZE": "2"}) == max(1, cores // 2)
+    assert _threads_of_a_process({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": None}) == 1
+    if shutil.which("taskset"):  # the affinity a scheduler sets (Slurm's cpuset, taskset)
+        assert _threads_of_a_process({"OMP_NUM_THREADS": None, "LOCAL_WORLD_SIZE": None}, ["taskset", "-c", "0"]) == 1
+
+
+def test_launcher_question_answers_with_the_same_rule():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    ask = [sys.executable, "-m", "megabam.parallel.threads", "--local-ranks"]
+    out = subprocess.run([*ask, "2"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and int(out.stdout) == max(1, available_cores() // 2)
+    bad = subprocess.run([*ask, "0"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "megabam: error: environment: LOCAL_WORLD_SIZE: must be a positive integer, got '0'"
+    ]
