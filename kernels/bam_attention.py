@@ -1,9 +1,11 @@
 """BAM attention (GGD positional prior + SSMax) in pure PyTorch, tiled over query blocks.
 
-This is the op the CPU training path calls and the reference a Triton kernel is tested against. It
+This is the op the CPU training path calls where a prior's gradient is needed (else torch's fused
+attention, kernels/bam_attention_sdpa.py) and the reference a Triton kernel is tested against. It
 never builds an N x N tensor: each query block only touches the keys its causal mask, window and
-document can reach, and the backward recomputes probabilities from the saved row log-sum-exp
-(flash-attention style), so memory is O(B·H·block·keys) per step and cost with a window is O(N·w).
+document can reach, and the backward recomputes each block's probabilities (a block holds whole rows,
+so nothing per row needs saving), so memory is O(B·H·block·keys) per step and cost with a window is
+O(N·w).
 """
 
 import math

@@ -243,7 +243,14 @@ def _compare_tp_with_single(overrides: list[str], window, covered: tuple[str, ..
         losses = []
         for model, opt in [(full, opt_full), (tp, opt_tp)]:
             opt.zero_grad()
-            loss = model(ids, labels, doc_ids=doc_ids, window=window)
+            if model is full:
+                # The loss from the logits (model.output.loss, F.cross_entropy), not the chunked loss one
+                # process trains with: equal in exact arithmetic (tests/unit/test_linear_cross_entropy.py),
+                # but AdamW at lr 1e-2 turns rounding differences of gradients near 0 into logit
+                # differences above the tolerance within three steps.
+                loss = full.output.loss(full(ids, doc_ids=doc_ids, window=window), labels)
+            else:
+                loss = tp(ids, labels, doc_ids=doc_ids, window=window)
             loss.backward()
             losses.append(loss.item())
         rel = abs(losses[1] - losses[0]) / abs(losses[0])
