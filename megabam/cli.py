@@ -1,4 +1,4 @@
-"""The `megabam` command. Subcommands: train, data (later issues add eval, convert, plan)."""
+"""The `megabam` command. Subcommands: train, data, eval, plot (later issues add convert, plan)."""
 
 import argparse
 import contextlib
@@ -12,6 +12,7 @@ from pathlib import Path
 from megabam import exit_codes
 from megabam.config import Config, ConfigError, load_config
 from megabam.data.cli import add_data_parser, run_data
+from megabam.eval.cli import add_eval_parser, add_plot_parser, run_eval, run_plot
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,12 +40,18 @@ def main(argv: list[str] | None = None) -> int:
         "--help-config", action="store_true", help="list every config key with its default and meaning, then exit"
     )
     add_data_parser(sub)
+    add_eval_parser(sub)
+    add_plot_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)
     if args.command == "data":
         return run_data(args)
+    if args.command == "eval":
+        return run_eval(args)
+    if args.command == "plot":
+        return run_plot(args)
     return exit_codes.BAD_INPUT
 
 

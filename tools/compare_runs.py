@@ -32,8 +32,9 @@ def read_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
             step = row.pop("step")
         except (ValueError, KeyError, AttributeError):
             raise SystemExit(f"compare_runs: {path}:{number}: not a metrics row") from None
-        for key, value in row.items():
-            metrics.setdefault(key, {})[step] = value
+        heads = row.pop("heads", {})  # per-head prior and SSMax values, compared like the rest
+        for key, value in {**row, **heads}.items():
+            metrics.setdefault(key, {})[step] = math.nan if value is None else value
     return metrics
 
 

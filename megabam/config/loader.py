@@ -56,6 +56,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return config
 
 
+def config_from_dict(raw: dict, source: str) -> Config:
+    """A Config from its dictionary form (a checkpoint's `config` field), checked like a file."""
+    config = _build(Config, raw, "", source)
+    validate(config, source)
+    return config
+
+
 def text_byte(e: UnicodeDecodeError) -> str:
     return f"0x{e.object[e.start]:02x}"
 

@@ -93,6 +93,9 @@ class AttentionConfig:
     )
     bam: BamConfig = doc(BamConfig, "GGD-BAM prior settings (used when positional=ggd_bam).")
     ssmax: bool = doc(True, "Scalable softmax: logits of row i times s_h·log(n_i), s_h learnable per head.")
+    ssmax_init: float = doc(
+        1.0, "Initial s_h of every head; 1/ln(data.seq_len) makes SSMax plain softmax at the training length."
+    )
     ssmax_before_prior: bool = doc(
         False, "Scale q·k by s_h·log(n_i) before adding the prior (default: scale after adding it)."
     )

@@ -107,7 +107,9 @@ def add_data_parser(sub) -> None:
     syn.add_argument("--train", type=int, required=True, help="training samples")
     syn.add_argument("--val", type=int, default=0, help="validation samples")
     syn.add_argument("--seed", type=int, default=0, help="seed of keys, values and depths")
-    syn.add_argument("--essay", help="haystack text file for niah_single_2 (default: Python stdlib sources)")
+    syn.add_argument(
+        "--essay", help="haystack text file of the essay NIAH variants (default: the Python documentation's prose)"
+    )
     syn.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
 
 

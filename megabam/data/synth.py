@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 
-from megabam.data.corpus import python_stdlib_documents
 from megabam.data.errors import DataError
 from megabam.data.niah import VARIANTS, niah_sample
 from megabam.data.output_dir import staged_output
@@ -58,9 +57,7 @@ def write_synthetic_dataset(
     if n_train < 1 or n_val < 0:
         raise DataError(f"need at least one training sample and no negative count, got {n_train} and {n_val}")
     tokenizer = load_tokenizer(tokenizer_path)
-    essay = None
-    if kind == "niah_single_2":
-        essay = Path(essay_path).read_text() if essay_path else "\n".join(python_stdlib_documents(200_000))
+    essay = Path(essay_path).read_text() if essay_path else None  # None: the essay variants' default prose
     rng = random.Random(seed)
     with staged_output(out, overwrite) as tmp:
         for split, n in (("train", n_train), ("val", n_val)):

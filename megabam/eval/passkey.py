@@ -2,39 +2,119 @@
 
 A prompt counts as retrieved when the model's argmax reproduces every token of the key. One forward
 pass over prompt + key scores all key positions at once (teacher forcing): if every argmax matches,
-greedy decoding would have produced exactly the key.
+greedy decoding would have produced exactly the key. A length n means n tokens fed: prompt + key.
 """
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from megabam.data.passkey import passkey_sample, random_key
 from megabam.data.tokenizer import Tokenizer
 
+Predict = Callable[[torch.Tensor], torch.Tensor]  # token ids (1, n) → the argmax next token at each position (1, n)
+
 
 @torch.no_grad()
+def score_prompt(predict: Predict, tokenizer: Tokenizer, n_tokens: int, depth: float, key: str, device) -> list[bool]:
+    """For one prompt of `n_tokens` (prompt + key) with the needle at `depth`: whether each key token
+    is the model's argmax."""
+    answer_len = len(tokenizer.encode(f" {key}"))
+    sample = passkey_sample(tokenizer, n_tokens - answer_len, depth, key)
+    ids = torch.tensor([sample.prompt_ids + sample.answer_ids], device=device)
+    # All n tokens go in (the last position's prediction goes unused) so that a sequence-parallel
+    # model, which needs lengths divisible by its TP size, scores n = data.seq_len as it trains.
+    predicted = predict(ids)[0, -len(sample.answer_ids) - 1 : -1]
+    return [p == a for p, a in zip(predicted.tolist(), sample.answer_ids)]
+
+
+class PasskeyScore(NamedTuple):
+    retrieved: float  # share of prompts with every key token right
+    key_tokens: float  # share of key tokens right
+
+
 def passkey_accuracy(
-    predict: Callable[[torch.Tensor], torch.Tensor],
+    predict: Predict, tokenizer: Tokenizer, n_tokens: int, n_samples: int, seed: int, device
+) -> PasskeyScore:
+    """Scores of `n_samples` prompts of `n_tokens` tokens (needle depths spread evenly over 0..1).
+    `predict` is e.g. `Decoder.greedy`."""
+    rng = random.Random(seed)
+    right = [
+        score_prompt(predict, tokenizer, n_tokens, i / max(1, n_samples - 1), random_key(rng), device)
+        for i in range(n_samples)
+    ]
+    return PasskeyScore(sum(map(all, right)) / n_samples, sum(map(sum, right)) / sum(map(len, right)))
+
+
+@dataclass
+class PasskeyGrid:
+    """Scores per (length, depth) cell: `retrieved` prompts of `trials` with every key token right,
+    and `key_tokens` the share of key tokens right (partial copying shows here first)."""
+
+    lengths: list[int]
+    depths: list[float]
+    trials: int
+    retrieved: list[list[int]]  # [length][depth]
+    key_tokens: list[list[float]]
+
+    def accuracy(self) -> list[list[float]]:
+        return [[r / self.trials for r in row] for row in self.retrieved]
+
+    def by_length(self) -> dict[int, float]:
+        return {n: sum(row) / (self.trials * len(row)) for n, row in zip(self.lengths, self.retrieved)}
+
+    def table(self) -> list[str]:
+        key_tokens = [f"{sum(row) / len(row):.2f}" for row in self.key_tokens]
+        return grid_table(self.lengths, self.depths, self.accuracy(), ("key tokens", key_tokens))
+
+    def to_json(self) -> dict:
+        return {
+            "lengths": self.lengths,
+            "depths": self.depths,
+            "trials": self.trials,
+            "retrieved": self.retrieved,
+            "accuracy": self.accuracy(),
+            "key_token_accuracy": self.key_tokens,
+            "accuracy_by_length": {str(n): a for n, a in self.by_length().items()},
+        }
+
+
+def passkey_grid(
+    predict: Predict,
     tokenizer: Tokenizer,
-    n_tokens: int,
-    n_samples: int,
+    lengths: list[int],
+    depths: list[float],
+    trials: int,
     seed: int,
     device,
-) -> float:
-    """Share of `n_samples` prompts of `n_tokens` tokens (needle depths spread evenly over 0..1)
-    whose key the model reproduces. `predict(ids)` maps token ids (1, n) to the model's most likely
-    next token at each position (1, n), e.g. `Decoder.greedy`."""
+    progress: Callable[[str], None] = lambda line: None,
+) -> PasskeyGrid:
+    """`trials` prompts, each with its own random key, in every (length, depth) cell."""
     rng = random.Random(seed)
-    hits = 0
-    for i in range(n_samples):
-        key = random_key(rng)
-        answer_len = len(tokenizer.encode(f" {key}"))
-        sample = passkey_sample(tokenizer, n_tokens - answer_len, i / max(1, n_samples - 1), key)
-        ids = torch.tensor([sample.prompt_ids + sample.answer_ids], device=device)
-        # All n tokens go in (the last position's prediction goes unused) so that a sequence-parallel
-        # model, which needs lengths divisible by its TP size, scores n = data.seq_len as it trains.
-        predicted = predict(ids)[0, -len(sample.answer_ids) - 1 : -1]
-        hits += int(predicted.tolist() == sample.answer_ids)
-    return hits / n_samples
+    retrieved, key_tokens = [], []
+    for n in lengths:
+        row_hits, row_tokens = [], []
+        for depth in depths:
+            right = [score_prompt(predict, tokenizer, n, depth, random_key(rng), device) for _ in range(trials)]
+            row_hits.append(sum(all(r) for r in right))
+            row_tokens.append(sum(sum(r) for r in right) / sum(len(r) for r in right))
+        retrieved.append(row_hits)
+        key_tokens.append(row_tokens)
+        progress(f"passkey @ {n}: {sum(row_hits)}/{trials * len(depths)} retrieved")
+    return PasskeyGrid(lengths, depths, trials, retrieved, key_tokens)
+
+
+def grid_table(
+    lengths: list[int], depths: list[float], values: list[list[float]], extra: tuple[str, list[str]]
+) -> list[str]:
+    """Rows of lengths, columns of depths, then each row's mean and one more column (name, cells)."""
+    name, cells = extra
+    head = f"{'length':>8} | " + " ".join(f"{d:>6.0%}" for d in depths) + f" |    all  {name}"
+    lines = [head, "-" * len(head)]
+    for n, row, cell in zip(lengths, values, cells):
+        mean = sum(row) / len(row)
+        lines.append(f"{n:>8} | " + " ".join(f"{v:>6.0%}" for v in row) + f" | {mean:>6.0%}  {cell:>{len(name)}}")
+    return lines

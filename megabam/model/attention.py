@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from megabam.config.schema import AttentionConfig, ModelConfig
-from megabam.kernels.bam_attention import dense_bam_attention
+from megabam.kernels.bam_attention import dense_bam_attention, dense_bam_weights
 from megabam.kernels.dispatch import attention
 from megabam.model.positional import AlibiPrior, BamPrior, apply_rope, rope_rotation
 from megabam.model.registry import register_mixer
@@ -71,7 +71,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * kv_heads) * self.head_dim, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.prior = prior
-        self.ssmax_s = nn.Parameter(torch.ones(cfg.n_heads)) if a.ssmax else None
+        self.ssmax_s = nn.Parameter(torch.full((cfg.n_heads,), a.ssmax_init)) if a.ssmax else None
         self.ssmax_before_prior = a.ssmax_before_prior
         self.positional = a.positional
         self.rope_theta = a.rope_theta if a.positional == "rope" else None
@@ -111,21 +111,34 @@ class Attention(nn.Module):
         q, k = qk.split([self.n_heads, self.kv_heads], dim=2)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
-        B, N, _ = x.shape
-        q, k, v = self._project(x)
+    def _head_options(self, seq: SequenceInfo) -> dict:
+        """The prior, SSMax and window arguments every form of the op takes."""
         theta_alpha, theta_beta, theta_mu = self.prior() if self.prior is not None else (None, None, None)
-        y = attention(
-            q,
-            k,
-            v,
+        return dict(
             theta_alpha=theta_alpha,
             theta_beta=theta_beta,
             theta_mu=theta_mu,
             ssmax_s=self.ssmax_s,
             ssmax_before_prior=self.ssmax_before_prior,
-            doc_ids=seq.doc_ids if self.document_aware else None,
             window=self.window_of(seq),
+        )
+
+    @torch.no_grad()
+    def weights(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention probabilities (B, n_heads, N, N) of one document x (B, N, d), for plots."""
+        q, k, _ = self._project(x)
+        positions = torch.arange(x.shape[1], device=x.device)
+        return dense_bam_weights(q, k, positions, positions, **self._head_options(SequenceInfo()))
+
+    def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
+        B, N, _ = x.shape
+        q, k, v = self._project(x)
+        y = attention(
+            q,
+            k,
+            v,
+            **self._head_options(seq),
+            doc_ids=seq.doc_ids if self.document_aware else None,
             block_size=self.block_size,
             backend=self.backend,
         )
@@ -150,19 +163,8 @@ class Attention(nn.Module):
             cache = KVCache(empty, empty, torch.full((slots,), -1, dtype=torch.long, device=x.device), 0)
         new_pos = torch.arange(start, start + C, device=x.device)
         keys, values = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
-        theta_alpha, theta_beta, theta_mu = self.prior() if self.prior is not None else (None, None, None)
         y = dense_bam_attention(
-            q,
-            keys,
-            values,
-            new_pos,
-            torch.cat([cache.positions, new_pos]),
-            theta_alpha=theta_alpha,
-            theta_beta=theta_beta,
-            theta_mu=theta_mu,
-            ssmax_s=self.ssmax_s,
-            ssmax_before_prior=self.ssmax_before_prior,
-            window=window,
+            q, keys, values, new_pos, torch.cat([cache.positions, new_pos]), **self._head_options(seq)
         )
         if window is None:
             cache = KVCache(keys, values, torch.cat([cache.positions, new_pos]), start + C)

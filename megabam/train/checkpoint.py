@@ -12,7 +12,7 @@ Layout of a run's checkpoints:
 A checkpoint is written under a temporary name and renamed once every rank is done, then `latest`
 moves. At load, the newest checkpoint whose manifest verifies is used; a partial or corrupted one is
 reported and skipped. Nothing megabam writes needs unpickling, and DeepSpeed's own files are read
-with `weights_only=True`.
+with `weights_only=True` (megabam/train/weights_only.py).
 """
 
 import dataclasses
@@ -30,10 +30,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import xxhash
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from deepspeed.runtime.fp16.loss_scaler import LossScaler
-from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 
 from megabam.train import rng
 
@@ -102,23 +98,6 @@ class CheckpointMeta:
                 names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
                 raise CheckpointError(f"{path}: field {name} must be {names}, got {value!r:.60}")
         return cls(**raw)
-
-
-class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's torch engine, but loading with `weights_only=True`: a checkpoint is data
-    (tensors, numbers, strings, containers), never code to unpickle. The ZeRO optimizer state also
-    holds three of DeepSpeed's plain data classes, allowed by name."""
-
-    DATA_CLASSES = [LossScaler, ZeroStageEnum, fragment_address]
-
-    def load(self, path: str, map_location=None):
-        with torch.serialization.safe_globals(self.DATA_CLASSES):
-            return torch.load(path, map_location=map_location, weights_only=True)
-
-
-def use_weights_only_loading(engine) -> None:
-    """Every DeepSpeed checkpoint read (model, ZeRO shards) goes through `engine.checkpoint_engine`."""
-    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -257,6 +236,19 @@ def load(engine, run_dir: Path, tag: str) -> CheckpointMeta:
 def _verify(path: Path) -> str | None:
     """Collective: each rank checks a share of the files; all ranks return the same verdict."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    problems = manifest_problems(path, rank, world)
+    if isinstance(problems, str):
+        return problems
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, problems)
+    found = [p for part in gathered for p in part]
+    return "; ".join(found) if found else None
+
+
+def manifest_problems(path: Path, share: int = 0, shares: int = 1) -> str | list[str]:
+    """What is wrong with checkpoint directory `path` against its manifest: a sentence when the
+    manifest itself is unusable, else the problems of files `share`, `share + shares`, ... of it
+    (all of them by default; empty when they verify)."""
     try:
         manifest = json.loads((path / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
@@ -268,17 +260,13 @@ def _verify(path: Path) -> str | None:
         or not all(isinstance(name, str) and "/" not in name and isinstance(d, dict) for name, d in files.items())
     ):
         return f"{MANIFEST_FILE} is malformed (expected its files with their sizes and digests, {META_FILE} among them)"
-    manifest = files
     problems = []
-    for name in sorted(manifest)[rank::world]:
+    for name in sorted(files)[share::shares]:
         if not (path / name).is_file():
             problems.append(f"{name} is missing")
-        elif _digest(path / name) != manifest[name]:
+        elif _digest(path / name) != files[name]:
             problems.append(f"{name} does not match its checksum")
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, problems)
-    found = [p for part in gathered for p in part]
-    return "; ".join(found) if found else None
+    return problems
 
 
 def _digest(path: Path) -> dict:

@@ -31,7 +31,7 @@ def peak_tflops(cfg: LoggingConfig) -> float | None:
 
 
 def head_parameters(blocks: list[tuple[int, nn.Module]]) -> dict[str, float]:
-    """Each head's prior β = θ_β and α (paper form: exp(θ_α) = α^−β, logged as ln α = −θ_α/θ_β,
+    """Each head's prior θ_α, β = θ_β and α (paper form: exp(θ_α) = α^−β, logged as ln α = −θ_α/θ_β,
     undefined where β = 0) and its SSMax s, keyed by layer and head, for the (layer, block) pairs given."""
     out: dict[str, float] = {}
     for layer, block in blocks:
@@ -39,6 +39,7 @@ def head_parameters(blocks: list[tuple[int, nn.Module]]) -> dict[str, float]:
         prior = getattr(mixer, "prior", None)
         if prior is not None and isinstance(getattr(prior, "theta_beta", None), nn.Parameter):
             for h, (ta, tb) in enumerate(zip(prior.theta_alpha.tolist(), prior.theta_beta.tolist())):
+                out[f"bam/layer{layer}/head{h}/theta_alpha"] = ta
                 out[f"bam/layer{layer}/head{h}/beta"] = tb
                 out[f"bam/layer{layer}/head{h}/ln_alpha"] = -ta / tb if abs(tb) > 1e-6 else math.nan
         if getattr(mixer, "ssmax_s", None) is not None:
@@ -74,8 +75,11 @@ class RunLogger:
         if not self.enabled:
             return
         try:
+            # Per-head values (keys with a '/') go under "heads", NaN as null (strict JSON readers).
+            row = {"step": step, **{k: v for k, v in metrics.items() if "/" not in k}}
+            heads = {k: None if v != v else v for k, v in metrics.items() if "/" in k}
             with self.metrics_path.open("a") as f:
-                f.write(json.dumps({"step": step, **{k: v for k, v in metrics.items() if "/" not in k}}) + "\n")
+                f.write(json.dumps({**row, "heads": heads} if heads else row) + "\n")
         except OSError as e:  # a full disk: the rows after the last checkpoint are rewritten on resume
             if not self.write_failed:
                 log.warning(f"{self.metrics_path}: cannot append ({e.strerror}); training goes on")

@@ -3,15 +3,11 @@
 import json
 from pathlib import Path
 
+from megabam.eval.figures import pyplot, save
+
 
 def plot_loss(metrics_path: Path, out_path: Path) -> None:
-    # Imported here: matplotlib costs about a second at start-up, in every rank, and only rank 0
-    # draws, once, at the end.
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training nodes
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()  # matplotlib is imported here, when rank 0 draws, once, at the end
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
@@ -26,7 +22,4 @@ def plot_loss(metrics_path: Path, out_path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = out_path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.rename(out_path)
+    save(fig, out_path)

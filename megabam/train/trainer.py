@@ -39,6 +39,7 @@ from megabam.train.logger import RunLogger, peak_tflops
 from megabam.train.plot import plot_loss
 from megabam.train.preemption import Preempted, PreemptionFlag
 from megabam.train.run_lock import RunDirError, RunLock
+from megabam.train.weights_only import use_weights_only_loading
 from megabam.train.window_sampler import WindowSampler
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class Trainer:
         self.passkey_lengths = cfg.eval.passkey_lengths or [cfg.data.seq_len]
         _check_passkey_lengths(self.tokenizer, self.passkey_lengths if cfg.eval.passkey_samples else [])
         self.engine = build_engine(cfg, self.topology)
-        checkpoint.use_weights_only_loading(self.engine.deepspeed)
+        use_weights_only_loading(self.engine.deepspeed)
         # Tensor- and pipeline-parallel peers (consecutive ranks) read identical samples.
         loader = dict(
             micro_batch_size=cfg.train.micro_batch_size,
@@ -318,8 +319,29 @@ class Trainer:
             for b in itertools.islice(self.val_loader, self.cfg.train.eval_batches)
         ]
         self.progress.val_loss = self.engine.mean_loss(batches)
-        self.logger.log(self.progress.step, {"val_loss": self.progress.val_loss})
+        # Retrieval at the training length as training goes (diagnostic curves; cheap: a few prompts).
+        seq_len = self.cfg.data.seq_len
+        during = self.progress.step < self.cfg.train.steps and holds_passkey(self.tokenizer, seq_len)
+        scores = self.passkey([seq_len]) if during else {}
+        self.logger.log(self.progress.step, {"val_loss": self.progress.val_loss, **scores})
         return self.progress.val_loss
+
+    def passkey(self, lengths: list[int]) -> dict[str, float]:
+        """Passkey scores per length (retrieved share and key-token share), as metrics. Every
+        tensor-parallel rank and pipeline stage of the first data-parallel replica takes part; the
+        other replicas return nothing and meet them at the next collective."""
+        cfg, scores = self.cfg, {}
+        if not cfg.eval.passkey_samples or self.topology.dp_rank != 0:
+            return scores
+        engine = self.engine.deepspeed
+        engine.eval()
+        for n in lengths:
+            score = passkey_accuracy(
+                self.engine.predict, self.tokenizer, n, cfg.eval.passkey_samples, cfg.run.seed, self.engine.device
+            )
+            scores[f"passkey_{n}"], scores[f"passkey_{n}_key_tokens"] = score
+        engine.train()
+        return scores
 
     def save_checkpoint(self) -> Path:
         """Collective: a checkpoint of the current step."""
@@ -370,17 +392,10 @@ class Trainer:
         cfg, p = self.cfg, self.progress
         if p.last_saved != cfg.train.steps:
             self.save_checkpoint()  # a resumed run that had already reached its end
-        passkey = {}
-        # Every tensor-parallel rank and pipeline stage of the first data-parallel replica takes part.
-        if cfg.eval.passkey_samples and self.topology.dp_rank == 0:
-            engine = self.engine.deepspeed
-            engine.eval()
-            for n in self.passkey_lengths:
-                passkey[n] = passkey_accuracy(
-                    self.engine.predict, self.tokenizer, n, cfg.eval.passkey_samples, cfg.run.seed, self.engine.device
-                )
-            engine.train()
-            self.logger.log(cfg.train.steps, {f"passkey_{n}": acc for n, acc in passkey.items()})
+        scores = self.passkey(self.passkey_lengths)
+        if scores:
+            self.logger.log(cfg.train.steps, scores)
+        passkey = {n: scores[f"passkey_{n}"] for n in self.passkey_lengths if f"passkey_{n}" in scores}
         dist.barrier()
         if self.rank == 0:
             plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
@@ -443,12 +458,16 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 def _check_passkey_lengths(tokenizer: Tokenizer, lengths: list[int]) -> None:
     """Refuse, before training, passkey lengths too short for the prompt under this tokenizer."""
     for i, n in enumerate(lengths):
-        try:
-            passkey_sample(tokenizer, n - 8, 0.0, "12345")  # 8: room for the key's tokens
-        except ValueError:
-            raise ConfigError(
-                "<config>", f"eval.passkey_lengths[{i}]", f"{n} tokens cannot hold a passkey prompt"
-            ) from None
+        if not holds_passkey(tokenizer, n):
+            raise ConfigError("<config>", f"eval.passkey_lengths[{i}]", f"{n} tokens cannot hold a passkey prompt")
+
+
+def holds_passkey(tokenizer: Tokenizer, n: int) -> bool:
+    try:
+        passkey_sample(tokenizer, n - 8, 0.0, "12345")  # 8: room for the key's tokens
+    except ValueError:
+        return False
+    return True
 
 
 def _endless(loader) -> Iterator[dict]:

@@ -1,10 +1,14 @@
 """End-to-end training through the `megabam` command: single process, resume, and 2 data-parallel
 ranks under torchrun (gloo), compared with the single-process run."""
 
+import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from helpers.runs import REPO, SMALL, logged, losses, megabam_train
+from helpers.runs import ENV, REPO, SMALL, logged, losses, megabam_train
 
 from megabam.config import load_config
 from megabam.train.window_sampler import WindowSampler
@@ -33,6 +37,19 @@ def test_main_job_end_to_end(tmp_path, data_cache):
     assert len(curve) == 30
     first, last = sum(curve[s] for s in range(1, 4)) / 3, sum(curve[s] for s in range(28, 31)) / 3
     assert last < first - 1.0, (first, last)
+    assert 15 in logged(run_dir, "passkey_128") and 15 in logged(run_dir, "passkey_128_key_tokens")
+    heads = logged(run_dir, "heads")[30]
+    assert {"bam/layer1/head3/theta_alpha", "bam/layer1/head3/beta", "ssmax/layer1/head3/s"} <= set(heads)
+
+    # The run's DeepSpeed checkpoint evaluated and drawn in fresh processes, as a user would.
+    evaluate = [sys.executable, "-m", "megabam.cli", "eval", "passkey", str(run_dir), "--lengths", "128", "256"]
+    out = subprocess.run([*evaluate, "--trials", "1"], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((run_dir / "eval" / "passkey-step_00000030.json").read_text())["step"] == 30
+    for kind in ("priors", "training"):
+        plot = [sys.executable, "-m", "megabam.cli", "plot", kind, str(run_dir)]
+        out = subprocess.run(plot, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
+        assert out.returncode == 0 and Path(out.stdout.strip()).stat().st_size > 1000, out.stderr[-3000:]
 
 
 def test_existing_run_is_never_overwritten(tmp_path, data_cache):

@@ -1,0 +1,274 @@
+"""`megabam eval passkey|niah|ppl RUN|CKPT` and `megabam plot priors|attention|training`.
+
+Evaluation runs a trained model in one process. Each eval command prints a table and writes JSON and
+a PNG into --out (default RUN/eval), named after the checkpoint's step; plots go to RUN/plots. Files
+are written through temporary names (an interrupted command leaves no half file).
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from megabam import exit_codes
+from megabam.data.niah import VARIANTS
+
+
+def add_eval_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="long-context evaluation of a run or checkpoint (passkey, niah, ppl)")
+    tasks = ev.add_subparsers(dest="task", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("source", help="run directory (its newest verified checkpoint) or checkpoint directory")
+        p.add_argument("--out", help="directory for the JSON and PNG (default: RUN/eval)")
+        p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+        p.add_argument(
+            "--chunk", type=int, default=1024, help="tokens per prefill chunk: memory ∝ chunk × context (default 1024)"
+        )
+        p.add_argument("--seed", type=int, default=0, help="seed of the keys and needles (default 0)")
+
+    pk = tasks.add_parser("passkey", help="passkey retrieval (the BAM paper's protocol) over lengths × depths")
+    common(pk)
+    pk.add_argument("--lengths", type=int, nargs="+", help="tokens per prompt (default: 1×, 4×, 16× data.seq_len)")
+    pk.add_argument(
+        "--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]"
+    )
+    pk.add_argument("--trials", type=int, default=4, help="prompts (random keys) per cell (default 4)")
+
+    nh = tasks.add_parser("niah", help="RULER's needle-in-a-haystack tasks, answered by greedy generation")
+    common(nh)
+    nh.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="VARIANT")
+    nh.add_argument("--lengths", type=int, nargs="+", help="prompt tokens (default: 1×, 4× data.seq_len)")
+    nh.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.5, 1.0], help="needle depths in [0, 1]")
+    nh.add_argument("--trials", type=int, default=2, help="prompts per cell (default 2)")
+    nh.add_argument("--essay", help="haystack text of the essay variants (default: the Python documentation's prose)")
+
+    pp = tasks.add_parser("ppl", help="perplexity of a text file or MDS dataset, plain and sliding-window")
+    common(pp)
+    src = pp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="a UTF-8 text file, tokenized whole")
+    src.add_argument("--dataset", help="an MDS dataset directory (megabam data prepare); samples joined in order")
+    pp.add_argument("--length", type=int, help="tokens per scored sequence (default 4× data.seq_len)")
+    pp.add_argument("--window", type=int, help="sliding window in tokens (default: data.seq_len)")
+    pp.add_argument("--stride", type=int, help="sliding-window stride (default: window / 2)")
+    pp.add_argument("--max-tokens", type=int, default=65536, help="tokens of the input used at most (default 65536)")
+    pp.add_argument("--buckets", type=int, default=8, help="position buckets of the loss-by-position table")
+
+
+def add_plot_parser(sub) -> None:
+    pl = sub.add_parser("plot", help="draw a run's learned priors, attention maps or training curves")
+    kinds = pl.add_subparsers(dest="kind", required=True)
+    pr = kinds.add_parser("priors", help="each layer's and head's learned log-prior over distance")
+    pr.add_argument("source", help="run directory (its newest verified checkpoint) or checkpoint directory")
+    pr.add_argument("--max-distance", type=int, help="longest distance drawn (default 64× data.seq_len)")
+    at = kinds.add_parser("attention", help="attention maps of every attention layer and head on a passkey prompt")
+    at.add_argument("source", help="run directory (its newest verified checkpoint) or checkpoint directory")
+    at.add_argument("--length", type=int, help="prompt tokens (default data.seq_len)")
+    tr = kinds.add_parser("training", help="loss, LR, window draws and per-head θ_α, θ_β, s over training")
+    tr.add_argument("source", help="run directory (reads its metrics.jsonl)")
+    for p in (pr, at, tr):
+        p.add_argument("--out", help="PNG file to write (default: RUN/plots/KIND-STEP.png)")
+
+
+def _guarded(work) -> int:
+    """Run `work()`, print its lines; bad input (a path, a checkpoint, a value) is one line, exit 2."""
+    from megabam.data.errors import DataError
+    from megabam.data.passkey import PromptTooShort
+    from megabam.eval.plots import NothingToPlot
+    from megabam.train.checkpoint import CheckpointError
+
+    try:
+        lines = work()
+    except (CheckpointError, DataError, PromptTooShort, BadArgument, NothingToPlot) as e:
+        print(f"megabam: error: {e}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    print("\n".join(lines))
+    return exit_codes.OK
+
+
+def run_eval(args) -> int:
+    return _guarded(lambda: TASKS[args.task](args))
+
+
+def run_plot(args) -> int:
+    return _guarded(lambda: [str(PLOTS[args.kind](args))])
+
+
+def _plot_priors(args) -> Path:
+    from megabam.eval.plots import plot_priors
+
+    _require(
+        args.max_distance is None or args.max_distance >= 2,
+        f"--max-distance must be at least 2, got {args.max_distance}",
+    )
+    trained = _trained(args.source)
+    return plot_priors(
+        trained, _plot_path(args, trained.run_dir, f"priors-{trained.checkpoint.name}"), args.max_distance
+    )
+
+
+def _plot_attention(args) -> Path:
+    from megabam.data.passkey import PromptTooShort
+    from megabam.eval.plots import passkey_prompt, plot_attention
+
+    trained = _trained(args.source)
+    length = args.length or trained.config.data.seq_len
+    try:
+        ids, marks = passkey_prompt(trained, length)
+    except PromptTooShort:
+        raise BadArgument(f"--length {length} (default data.seq_len) is too short for a passkey prompt") from None
+    return plot_attention(
+        trained, ids, marks, _plot_path(args, trained.run_dir, f"attention-{trained.checkpoint.name}")
+    )
+
+
+def _plot_training(args) -> Path:
+    from megabam.eval.plots import plot_training
+
+    run_dir = Path(args.source)
+    return plot_training(run_dir, _plot_path(args, run_dir, "training"))
+
+
+def _plot_path(args, run_dir: Path, name: str) -> Path:
+    if args.out:
+        _require(args.out.endswith(".png"), f"--out must name a .png file, got {args.out}")
+        return Path(args.out)
+    return run_dir / "plots" / f"{name}.png"
+
+
+def _trained(source: str):
+    from megabam.eval.trained import load_trained
+
+    return load_trained(source)
+
+
+class BadArgument(ValueError):
+    """A command-line value out of range; the message names the option."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise BadArgument(message)
+
+
+def _load(args):
+    import torch
+
+    from megabam.eval.trained import load_trained
+
+    _require(args.chunk >= 1, f"--chunk must be at least 1, got {args.chunk}")
+    if not torch.cuda.is_available():
+        _require(not str(args.device).startswith("cuda"), f"--device {args.device}: no CUDA device on this machine")
+    trained = load_trained(args.source, args.device)
+    out = Path(args.out) if args.out else trained.run_dir / "eval"
+    return trained, out, trained.checkpoint.name
+
+
+def _write_json(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _passkey(args) -> list[str]:
+    from megabam.eval.figures import heatmap
+    from megabam.eval.generate import predict_next
+    from megabam.eval.passkey import passkey_grid
+
+    _require(args.trials >= 1, f"--trials must be at least 1, got {args.trials}")
+    _require(all(0.0 <= d <= 1.0 for d in args.depths), f"--depths must lie in [0, 1], got {args.depths}")
+    trained, out, tag = _load(args)
+    seq_len = trained.config.data.seq_len
+    lengths = args.lengths or [seq_len, 4 * seq_len, 16 * seq_len]
+    _require(all(n >= 1 for n in lengths), f"--lengths must be positive, got {lengths}")
+    grid = passkey_grid(
+        lambda ids: predict_next(trained.model, ids, args.chunk),
+        trained.tokenizer,
+        lengths,
+        args.depths,
+        args.trials,
+        args.seed,
+        args.device,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    data = {"checkpoint": str(trained.checkpoint), "step": trained.meta.step, "train_length": seq_len, **grid.to_json()}
+    json_path = _write_json(out / f"passkey-{tag}.json", data)
+    title = f"passkey retrieval, {trained.run_dir.name} @ step {trained.meta.step} (trained at {seq_len})"
+    png = heatmap(grid.accuracy(), lengths, args.depths, title, out / f"passkey-{tag}.png")
+    return [
+        f"passkey retrieval ({args.trials} keys per cell), {trained.checkpoint}",
+        *grid.table(),
+        "",
+        str(json_path),
+        str(png),
+    ]
+
+
+def _niah(args) -> list[str]:
+    from megabam.eval.figures import heatmap
+    from megabam.eval.niah import niah_grid
+    from megabam.eval.perplexity import read_text
+
+    _require(args.trials >= 1, f"--trials must be at least 1, got {args.trials}")
+    _require(all(0.0 <= d <= 1.0 for d in args.depths), f"--depths must lie in [0, 1], got {args.depths}")
+    essay = read_text(args.essay) if args.essay else None
+    trained, out, tag = _load(args)
+    seq_len = trained.config.data.seq_len
+    lengths = args.lengths or [seq_len, 4 * seq_len]
+    _require(all(n >= 1 for n in lengths), f"--lengths must be positive, got {lengths}")
+    lines, results = [f"RULER NIAH, string_match_all ({args.trials} prompts per cell), {trained.checkpoint}"], []
+    for variant in args.variants:
+        grid = niah_grid(
+            trained.model,
+            trained.tokenizer,
+            variant,
+            lengths,
+            args.depths,
+            args.trials,
+            args.seed,
+            args.chunk,
+            essay,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+        results.append(grid.to_json())
+        title = f"NIAH {variant}, {trained.run_dir.name} @ step {trained.meta.step} (trained at {seq_len})"
+        png = heatmap(grid.scores, lengths, args.depths, title, out / f"niah-{variant}-{tag}.png")
+        lines += [*grid.table(), str(png), ""]
+    data = {"checkpoint": str(trained.checkpoint), "step": trained.meta.step, "train_length": seq_len, "tasks": results}
+    return [*lines, str(_write_json(out / f"niah-{tag}.json", data))]
+
+
+def _ppl(args) -> list[str]:
+    from megabam.eval.figures import bucket_plot
+    from megabam.eval.perplexity import evaluation_tokens, perplexity_report
+
+    trained, out, tag = _load(args)
+    seq_len = trained.config.data.seq_len
+    length = args.length or 4 * seq_len
+    window = args.window or seq_len
+    stride = args.stride or max(1, window // 2)
+    _require(length >= 2, f"--length must be at least 2, got {length}")
+    _require(window >= 2, f"--window must be at least 2, got {window}")
+    _require(1 <= stride <= window, f"--stride must lie in [1, --window={window}], got {stride}")
+    _require(args.buckets >= 1, f"--buckets must be at least 1, got {args.buckets}")
+    _require(args.max_tokens >= length, f"--max-tokens ({args.max_tokens}) must be at least --length ({length})")
+    tokens = evaluation_tokens(trained.tokenizer, args.text, args.dataset, args.max_tokens)
+    _require(len(tokens) >= length, f"the input holds {len(tokens)} tokens, fewer than --length {length}")
+    report = perplexity_report(trained.model, tokens, length, window, stride, args.buckets, args.chunk)
+    data = {
+        "checkpoint": str(trained.checkpoint),
+        "step": trained.meta.step,
+        "train_length": seq_len,
+        **report.to_json(),
+    }
+    json_path = _write_json(out / f"ppl-{tag}.json", data)
+    title = f"loss by position, {trained.run_dir.name} @ step {trained.meta.step}, sequences of {length}"
+    png = bucket_plot(report.buckets, title, out / f"ppl-{tag}.png", seq_len)
+    return [f"perplexity, {trained.checkpoint}", *report.table(), "", str(json_path), str(png)]
+
+
+TASKS = {"passkey": _passkey, "niah": _niah, "ppl": _ppl}
+PLOTS = {"priors": _plot_priors, "attention": _plot_attention, "training": _plot_training}

@@ -1,0 +1,120 @@
+"""Perplexity beyond the training length: plain, sliding-window, and loss by position.
+
+- plain: the input cut into sequences of `length` tokens, every next-token prediction scored;
+- sliding window (the usual protocol for models whose context is limited): windows of `window`
+  tokens moved by `stride`, each scoring only the targets that earlier windows did not, with the
+  context the window gives them (stride = window is the plain perplexity of window-long pieces);
+- loss by position: the plain sequences' per-token losses averaged over equal position buckets, which
+  shows whether tokens far past the training length are predicted as well as the early ones.
+"""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megabam.data.errors import DataError
+from megabam.data.shards import iter_mds_samples
+from megabam.data.tokenizer import Tokenizer
+from megabam.eval.generate import token_losses
+from megabam.model import Decoder
+
+
+def read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def evaluation_tokens(tokenizer: Tokenizer, text: str | None, dataset: str | None, max_tokens: int) -> list[int]:
+    """The first `max_tokens` tokens of a text file (tokenized whole) or of an MDS dataset's samples, joined."""
+    if text is not None:
+        return tokenizer.encode(read_text(text))[:max_tokens]
+    if not Path(dataset, "index.json").is_file():
+        raise DataError(f"{dataset}: not an MDS dataset (no index.json)")
+    tokens: list[int] = []
+    for sample in iter_mds_samples(dataset):
+        tokens += sample["tokens"].tolist()
+        if len(tokens) >= max_tokens:
+            break
+    return tokens[:max_tokens]
+
+
+@dataclass
+class PerplexityReport:
+    length: int
+    sequences: int
+    loss: float  # mean next-token loss of the plain sequences
+    window: int
+    stride: int
+    window_loss: float
+    window_targets: int
+    buckets: list[tuple[int, int, float]]  # (first position, last position + 1, mean loss)
+
+    def table(self) -> list[str]:
+        lines = [
+            f"plain          {self.sequences} × {self.length} tokens: "
+            f"loss {self.loss:.4f}, perplexity {math.exp(self.loss):.3f}",
+            f"sliding window {self.window}, stride {self.stride}, {self.window_targets} targets: "
+            f"loss {self.window_loss:.4f}, perplexity {math.exp(self.window_loss):.3f}",
+            "loss by position:",
+        ]
+        lines += [f"  {a:>8}–{b - 1:<8} {loss:.4f}" for a, b, loss in self.buckets]
+        return lines
+
+    def to_json(self) -> dict:
+        return {
+            "length": self.length,
+            "sequences": self.sequences,
+            "loss": self.loss,
+            "perplexity": math.exp(self.loss),
+            "window": self.window,
+            "stride": self.stride,
+            "window_loss": self.window_loss,
+            "window_perplexity": math.exp(self.window_loss),
+            "window_targets": self.window_targets,
+            "loss_by_position": [{"start": a, "end": b, "loss": loss} for a, b, loss in self.buckets],
+        }
+
+
+def plain_losses(model: Decoder, tokens: list[int], length: int, chunk: int) -> torch.Tensor:
+    """Per-token losses (sequences, length − 1) of the consecutive `length`-token sequences of `tokens`."""
+    device = model.embed.weight.device
+    rows = [
+        token_losses(model, torch.tensor([tokens[i : i + length]], device=device), chunk)
+        for i in range(0, len(tokens) - length + 1, length)
+    ]
+    return torch.stack(rows)
+
+
+def sliding_window_loss(model: Decoder, tokens: list[int], window: int, stride: int, chunk: int) -> tuple[float, int]:
+    """Mean loss and number of targets under the sliding-window protocol over all of `tokens`."""
+    device = model.embed.weight.device
+    total, count, scored_to = 0.0, 0, 1  # target positions < scored_to are done (position 0 has no context)
+    for begin in range(0, len(tokens) - 1, stride):
+        end = min(begin + window, len(tokens))
+        losses = token_losses(model, torch.tensor([tokens[begin:end]], device=device), chunk)
+        first = max(scored_to, begin + 1) - (begin + 1)  # losses[j] is target position begin + 1 + j
+        total += losses[first:].double().sum().item()
+        count += losses.shape[0] - first
+        scored_to = end
+        if end == len(tokens):
+            break
+    return total / count, count
+
+
+def perplexity_report(
+    model: Decoder, tokens: list[int], length: int, window: int, stride: int, n_buckets: int, chunk: int
+) -> PerplexityReport:
+    losses = plain_losses(model, tokens, length, chunk)
+    per_position = losses.double().mean(0)  # index p − 1 = target position p
+    edges = [round(1 + k * (length - 1) / n_buckets) for k in range(n_buckets + 1)]
+    buckets = [(a, b, per_position[a - 1 : b - 1].mean().item()) for a, b in zip(edges, edges[1:]) if b > a]
+    window_loss, targets = sliding_window_loss(model, tokens, window, stride, chunk)
+    return PerplexityReport(
+        length, losses.shape[0], losses.double().mean().item(), window, stride, window_loss, targets, buckets
+    )

@@ -1,0 +1,52 @@
+"""A run directory with one checkpoint written by hand (no training, no DeepSpeed), laid out as the
+trainer lays it out: checkpoints/step_N/{mp_rank_00_model_states.pt, megabam.json, manifest.json}
+beside tokenizer.model. For the evaluation and plot tests."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from megabam.config import load_config
+from megabam.data.corpus import python_stdlib_documents
+from megabam.data.tokenizer import train_tokenizer
+from megabam.model import Decoder
+from megabam.train.checkpoint import MANIFEST_FILE, META_FILE, CheckpointMeta, _digest, tag_for
+
+from .runs import CONFIG
+
+TINY = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "data.seq_len=64"]
+
+
+def write_run(root: Path, *overrides: str, step: int = 10, tokenizer_from: Path | None = None) -> tuple[Path, Decoder]:
+    """`root` as a run directory holding a freshly initialised model of tiny_cpu.yaml + TINY + overrides
+    as its checkpoint at `step`; returns the run directory and the model written."""
+    cfg = load_config(CONFIG, [*TINY, *overrides])
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer = root / "tokenizer.model"
+    if tokenizer_from is not None:
+        tokenizer.write_bytes(tokenizer_from.read_bytes())
+    else:
+        train_tokenizer(python_stdlib_documents(300_000), tokenizer, vocab_size=cfg.model.vocab_size)
+    torch.manual_seed(0)
+    model = Decoder(cfg.model)
+    ckpt = root / "checkpoints" / tag_for(step)
+    ckpt.mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, ckpt / "mp_rank_00_model_states.pt")
+    meta = CheckpointMeta(
+        step=step,
+        tokens=step * 1000,
+        samples=step,
+        loader={},
+        config=dataclasses.asdict(cfg),
+        skipped_steps=0,
+        tokenizer=str(tokenizer),
+        wandb_id=None,
+        window_sampler=None,
+    )
+    (ckpt / META_FILE).write_text(meta.to_json())
+    files = {p.name: _digest(p) for p in ckpt.iterdir()}
+    (ckpt / MANIFEST_FILE).write_text(json.dumps({"files": files}))
+    (root / "checkpoints" / "latest").write_text(tag_for(step))
+    return root, model.eval()

@@ -1,0 +1,314 @@
+"""Long-context evaluation (megabam/eval): chunked prefill against the one-shot forward, perplexity
+against float64 arithmetic written out by hand, the passkey grid against models whose answers are
+known, and the `megabam eval` / `megabam plot` commands on a checkpoint written by hand."""
+
+import json
+import math
+import random
+import re
+
+import pytest
+import torch
+from helpers.checkpoints import write_run
+from helpers.runs import CONFIG
+
+from megabam.cli import main
+from megabam.config import load_config
+from megabam.data.corpus import python_stdlib_documents
+from megabam.data.niah import VARIANTS, niah_sample, string_match_all
+from megabam.data.passkey import ANSWER, NEEDLE, passkey_sample
+from megabam.data.tokenizer import train_tokenizer
+from megabam.eval.generate import generate_greedy, predict_next, token_losses
+from megabam.eval.niah import niah_grid
+from megabam.eval.passkey import passkey_grid
+from megabam.eval.perplexity import perplexity_report, plain_losses, sliding_window_loss
+from megabam.model import Decoder
+
+PNG = b"\x89PNG\r\n\x1a\n"
+MODELS = {
+    "bam": ["model.attention.bam.init=spread"],
+    "swax": [
+        "model.layer_pattern=[swa,mlstm]",
+        "model.swa.window=16",
+        "window.windows=[16]",
+        "window.probabilities=[1.0]",
+    ],
+    "deltanet": [
+        "model.layer_pattern=[swa,gated_deltanet]",
+        "model.swa.window=16",
+        "window.windows=[16]",
+        "window.probabilities=[1.0]",
+    ],
+}
+
+
+def tiny_model(name: str) -> Decoder:
+    cfg = load_config(
+        CONFIG, ["model.vocab_size=97", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", *MODELS[name]]
+    )
+    torch.manual_seed(0)
+    return Decoder(cfg.model).double().eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return train_tokenizer(
+        python_stdlib_documents(300_000), tmp_path_factory.mktemp("tok") / "sp.model", vocab_size=512
+    )
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_chunked_prefill_equals_the_one_shot_forward(name):
+    model = tiny_model(name)
+    ids = torch.randint(0, 97, (1, 53), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids)[0]
+    reference = -torch.log_softmax(logits, -1)[torch.arange(52), ids[0, 1:]]
+    for chunk in (7, 53):
+        assert torch.equal(predict_next(model, ids, chunk), logits.argmax(-1)[None])
+        torch.testing.assert_close(token_losses(model, ids, chunk), reference, rtol=0, atol=1e-10)
+
+
+def test_greedy_generation_continues_as_the_full_forward_would():
+    model = tiny_model("swax")
+    prompt = [5, 17, 3, 88, 41, 9, 60]
+    out = generate_greedy(model, prompt, max_new_tokens=6, chunk=3)
+    seq = list(prompt)
+    for _ in range(6):  # the slow way: the whole sequence again for every new token
+        with torch.no_grad():
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert out == seq[len(prompt) :]
+    assert generate_greedy(model, prompt, max_new_tokens=6, stop={out[0]}) == []
+
+
+def by_hand_nll(model: Decoder, tokens: list[int]) -> list[float]:
+    """−log p(token t | tokens before it, in the window given), t = 1..len−1, float64, written out."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]))[0].tolist()
+    out = []
+    for t in range(1, len(tokens)):
+        row = logits[t - 1]
+        top = max(row)
+        log_z = top + math.log(sum(math.exp(x - top) for x in row))
+        out.append(log_z - row[tokens[t]])
+    return out
+
+
+def test_perplexity_equals_float64_by_hand():
+    model = tiny_model("bam")
+    rng = random.Random(2)
+    tokens = [rng.randrange(97) for _ in range(100)]
+    report = perplexity_report(model, tokens, length=24, window=20, stride=7, n_buckets=3, chunk=5)
+    sequences = [by_hand_nll(model, tokens[i : i + 24]) for i in range(0, 100 - 23, 24)]
+    assert report.sequences == len(sequences) == 4
+    flat = [x for s in sequences for x in s]
+    assert report.loss == pytest.approx(sum(flat) / len(flat), abs=1e-10)
+    # Buckets of target positions 1–8, 9–16, 17–23.
+    for (a, b, loss), (lo, hi) in zip(report.buckets, [(1, 9), (9, 16), (16, 24)]):
+        assert (a, b) == (lo, hi)
+        values = [s[p - 1] for s in sequences for p in range(lo, hi)]
+        assert loss == pytest.approx(sum(values) / len(values), abs=1e-10)
+    # Sliding window: each target scored once, by the first window that holds it and its context.
+    scored: dict[int, float] = {}
+    for begin in range(0, 100, 7):
+        window = tokens[begin : begin + 20]
+        for offset, nll in enumerate(by_hand_nll(model, window), start=1):
+            scored.setdefault(begin + offset, nll)
+        if begin + 20 >= 100:
+            break
+    assert sorted(scored) == list(range(1, 100)) and report.window_targets == 99
+    assert report.window_loss == pytest.approx(sum(scored.values()) / 99, abs=1e-10)
+
+
+def test_sliding_window_with_stride_equal_to_window_is_plain_perplexity_of_the_pieces():
+    model = tiny_model("swax")
+    rng = random.Random(3)
+    tokens = [rng.randrange(97) for _ in range(90)]
+    loss, targets = sliding_window_loss(model, tokens, window=30, stride=30, chunk=8)
+    plain = plain_losses(model, tokens, 30, chunk=8)
+    assert targets == plain.numel() == 3 * 29
+    assert loss == pytest.approx(plain.mean().item(), abs=1e-12)
+
+
+@pytest.mark.parametrize("n_tokens", [200, 777])
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_passkey_prompts_have_the_length_and_depth_asked_for(tokenizer, n_tokens, depth):
+    key = "48213"
+    answer = tokenizer.encode(ANSWER.format(key=key))
+    sample = passkey_sample(tokenizer, n_tokens - len(answer), depth, key)
+    assert len(sample.prompt_ids) + len(sample.answer_ids) == n_tokens
+    text = tokenizer.decode(sample.prompt_ids)
+    needle = NEEDLE.format(key=key).strip()
+    assert text.count(needle) == 1
+    before, after = text.split(needle)
+    # The needle sits between filler sentences: its depth in the filler is within one filler unit.
+    filler_before = before.split("there.")[1]  # after the instruction's last word
+    filler_after = after.split(" What is the pass key?")[0]
+    share = len(filler_before) / (len(filler_before) + len(filler_after))
+    assert abs(share - depth) <= 95 / (len(filler_before) + len(filler_after)) + 1e-9
+
+
+class Oracle:
+    """Predicts each true next token, reading the key off the needle; `wrong_last` spoils its last digit."""
+
+    def __init__(self, tokenizer, wrong_last=False):
+        self.tokenizer, self.wrong_last = tokenizer, wrong_last
+
+    def __call__(self, ids):
+        full = ids[0].tolist()
+        predicted = full[1:] + [0]
+        if self.wrong_last:
+            predicted[-2] = (predicted[-2] + 1) % 512
+        return torch.tensor([predicted])
+
+
+def test_passkey_grid_scores_full_partial_and_no_retrieval(tokenizer):
+    lengths, depths = [300, 600], [0.0, 0.5, 1.0]
+    full = passkey_grid(Oracle(tokenizer), tokenizer, lengths, depths, trials=2, seed=0, device="cpu")
+    assert full.accuracy() == [[1.0] * 3] * 2 and full.key_tokens == [[1.0] * 3] * 2
+    partial = passkey_grid(
+        Oracle(tokenizer, wrong_last=True), tokenizer, lengths, depths, trials=2, seed=0, device="cpu"
+    )
+    assert partial.accuracy() == [[0.0] * 3] * 2
+    assert all(0.5 < t < 1.0 for row in partial.key_tokens for t in row)  # every digit but the last right
+    data = json.loads(json.dumps(full.to_json()))
+    assert data["accuracy_by_length"] == {"300": 1.0, "600": 1.0} and data["trials"] == 2
+
+
+def png_ok(path) -> bool:
+    data = path.read_bytes()
+    return data.startswith(PNG) and len(data) > 1000
+
+
+def test_eval_and_plot_commands_on_a_checkpoint(tmp_path, capsys):
+    run, _ = write_run(tmp_path / "run", "model.attention.bam.init=spread")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(python_stdlib_documents(40_000))[:30_000])
+    rows = [
+        {"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "heads": {"bam/layer0/head0/beta": 1.0 - s / 20}}
+        for s in range(5)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    assert main(["eval", "passkey", str(run), "--lengths", "300", "400", "--depths", "0", "1", "--trials", "1"]) == 0
+    result = json.loads((run / "eval" / "passkey-step_00000010.json").read_text())
+    assert result["lengths"] == [300, 400] and result["depths"] == [0.0, 1.0] and result["step"] == 10
+    assert png_ok(run / "eval" / "passkey-step_00000010.png")
+
+    niah = ["eval", "niah", str(run), "--variants", "single_2", "multiquery", "--lengths", "600", "--depths", "0.5"]
+    assert main([*niah, "--trials", "1"]) == 0
+    tasks = json.loads((run / "eval" / "niah-step_00000010.json").read_text())["tasks"]
+    assert [t["variant"] for t in tasks] == ["single_2", "multiquery"] and tasks[1]["examples"][0]["answer"].count(
+        ","
+    ) == 3
+    assert all(png_ok(run / "eval" / f"niah-{v}-step_00000010.png") for v in ("single_2", "multiquery"))
+
+    assert main(["eval", "ppl", str(run), "--text", str(text), "--length", "256", "--max-tokens", "1024"]) == 0
+    ppl = json.loads((run / "eval" / "ppl-step_00000010.json").read_text())
+    assert ppl["sequences"] == 4 and ppl["window"] == 64 and ppl["stride"] == 32 and len(ppl["loss_by_position"]) == 8
+    assert math.isclose(ppl["perplexity"], math.exp(ppl["loss"])) and png_ok(run / "eval" / "ppl-step_00000010.png")
+
+    for args in (["priors"], ["attention", "--length", "300"], ["training"]):
+        assert main(["plot", args[0], str(run), *args[1:]]) == 0
+    for name in ("priors-step_00000010", "attention-step_00000010", "training"):
+        assert png_ok(run / "plots" / f"{name}.png")
+    assert "passkey retrieval" in capsys.readouterr().out
+
+
+def test_eval_reads_the_newest_checkpoint_that_verifies(tmp_path, capsys):
+    run, _ = write_run(tmp_path / "run", step=10)
+    newer, _ = write_run(tmp_path / "other", step=20, tokenizer_from=run / "tokenizer.model")
+    (newer / "checkpoints" / "step_00000020").rename(run / "checkpoints" / "step_00000020")
+    weights = run / "checkpoints" / "step_00000020" / "mp_rank_00_model_states.pt"
+    weights.write_bytes(weights.read_bytes()[:-10] + b"0123456789")  # same size, other bytes
+    assert main(["eval", "passkey", str(run), "--lengths", "300", "--depths", "0", "--trials", "1"]) == 0
+    assert json.loads((run / "eval" / "passkey-step_00000010.json").read_text())["step"] == 10
+    # Named directly, the corrupted checkpoint is refused with the file named.
+    capsys.readouterr()
+    assert main(["eval", "passkey", str(run / "checkpoints" / "step_00000020"), "--lengths", "300"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mp_rank_00_model_states.pt does not match its checksum" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["eval", "passkey", "{missing}"], "no such run or checkpoint directory"),
+        (["eval", "passkey", "{run}", "--depths", "1.5"], "--depths must lie in [0, 1]"),
+        (["eval", "passkey", "{run}", "--lengths", "20"], "too short for a passkey prompt"),
+        (["eval", "passkey", "{run}", "--chunk", "0"], "--chunk must be at least 1"),
+        (["eval", "ppl", "{run}", "--text", "{missing}"], "cannot read"),
+        (["eval", "ppl", "{run}", "--dataset", "{run}"], "not an MDS dataset"),
+        (["eval", "ppl", "{run}", "--text", "{text}", "--stride", "100"], "--stride must lie in [1, --window=64]"),
+        (
+            ["eval", "ppl", "{run}", "--text", "{text}", "--length", "5000", "--max-tokens", "9000"],
+            "fewer than --length",
+        ),
+        (["plot", "training", "{tmp}"], "no metrics.jsonl"),
+        (["plot", "attention", "{run}"], "--length 64 (default data.seq_len) is too short"),
+        (["plot", "priors", "{run}", "--out", "{tmp}/x.jpg"], "--out must name a .png file"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message, shared_run):
+    text = tmp_path / "short.txt"
+    text.write_text("def f(x):\n    return x\n" * 20)
+    names = {"missing": tmp_path / "nothing", "run": shared_run, "text": text, "tmp": tmp_path}
+    assert main([a.format(**names) for a in args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_models_without_a_prior_or_with_split_layouts_are_refused(tmp_path, capsys, shared_run):
+    rope, _ = write_run(
+        tmp_path / "rope", "model.attention.positional=rope", tokenizer_from=shared_run / "tokenizer.model"
+    )
+    assert main(["plot", "priors", str(rope)]) == 2
+    assert "no attention layer has a positional prior" in capsys.readouterr().err
+    split, _ = write_run(tmp_path / "tp2", "parallel.tensor=2", tokenizer_from=shared_run / "tokenizer.model")
+    assert main(["eval", "passkey", str(split)]) == 2
+    assert "parallel.tensor=2" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    run, _ = write_run(tmp_path_factory.mktemp("shared") / "run")
+    return run
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("depth", [0.0, 0.6, 1.0])
+def test_niah_prompts_have_the_length_depth_and_needles_asked_for(tokenizer, variant, depth):
+    sample = niah_sample(tokenizer, 700, depth, variant, random.Random(5))
+    assert len(sample.prompt_ids) == 700
+    text = tokenizer.decode(sample.prompt_ids)
+    needles = re.findall(r"One of the special magic (?:numbers|uuids) for ([a-z]+-[a-z]+) is: ([0-9a-f-]+)\.", text)
+    assert len(needles) == (1 if variant.startswith("single") else 4)
+    keys = [k for k, _ in needles]
+    assert len(set(keys)) == (1 if variant in ("single_1", "single_2", "single_3", "multivalue") else 4)
+    assert sample.answer == ", ".join(sample.values) and tokenizer.decode(sample.answer_ids).strip() == sample.answer
+    assert all(v in text for v in sample.values)
+    asked = sample.values[0] if len(sample.values) == 1 else None
+    if asked is not None:  # the queried needle sits at the depth asked for (within one filler unit)
+        at = text.index(f"is: {asked}.")
+        hay_start, hay_end = text.index("afterwards.") + 11, text.index(" What ")
+        assert abs((at - hay_start) / (hay_end - hay_start) - depth) < 0.1
+    if variant == "single_1":
+        assert "The grass is green." in text
+    else:  # the essay haystack: the Python documentation's prose
+        assert "The grass is green." not in text and " the " in text
+
+
+def test_string_match_all_scores_full_partial_and_wrong_answers():
+    refs = ["1234567", "7654321", "1111111", "2222222"]
+    assert string_match_all(" 1234567, 7654321, 1111111 and 2222222.", refs) == 1.0
+    assert string_match_all("7654321 ... 2222222", refs) == 0.5
+    assert string_match_all("123456", refs) == 0.0
+    assert string_match_all("The UUID is ABCDEF12-0000", ["abcdef12-0000"]) == 1.0
+
+
+def test_niah_grid_answers_by_greedy_generation(tokenizer):
+    model = tiny_model("swax")
+    model.embed = torch.nn.Embedding(512, 32).double()  # the test tokenizer's vocabulary
+    grid = niah_grid(model, tokenizer, "multivalue", [500], [0.0, 1.0], trials=1, seed=0, chunk=64)
+    assert len(grid.scores) == 1 and all(0.0 <= s <= 1.0 for s in grid.scores[0])
+    assert [e["depth"] for e in grid.examples] == [0.0, 1.0] and grid.examples[0]["answer"].count(",") == 3
