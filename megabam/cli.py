@@ -1,4 +1,4 @@
-"""The `megabam` command. Subcommands: train, data, eval, plot (later issues add convert, plan)."""
+"""The `megabam` command. Subcommands: train, data, eval, plot, repro (later issues add convert, plan)."""
 
 import argparse
 import contextlib
@@ -12,7 +12,7 @@ from pathlib import Path
 from megabam import exit_codes
 from megabam.config import Config, ConfigError, load_config
 from megabam.data.cli import add_data_parser, run_data
-from megabam.eval.cli import add_eval_parser, add_plot_parser, run_eval, run_plot
+from megabam.eval.cli import add_eval_parser, add_plot_parser, add_repro_parser, run_eval, run_plot, run_repro
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     add_data_parser(sub)
     add_eval_parser(sub)
     add_plot_parser(sub)
+    add_repro_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "train":
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_eval(args)
     if args.command == "plot":
         return run_plot(args)
+    if args.command == "repro":
+        return run_repro(args)
     return exit_codes.BAD_INPUT
 
 

@@ -380,6 +380,11 @@ class DataConfig:
     seq_len: int = doc(256, "Tokens per training sequence.")
     corpus_bytes: int = doc(4_000_000, "Bytes of stdlib source text in the default corpus.")
     passkey_fraction: float = doc(0.25, "Share of training samples that are passkey-retrieval documents.")
+    passkey_min_tokens: int | None = doc(
+        None,
+        "Shortest passkey document: each passkey sample then holds several, of random lengths from this to "
+        "data.seq_len (more retrievals per token, at every distance); null = one document per sample.",
+    )
     val_fraction: float = doc(0.02, "Share of samples held out for validation.")
     cache_dir: str | None = doc(None, "Where built datasets are cached; null = $MEGABAM_CACHE or ~/.cache/megabam.")
     num_workers: int = doc(0, "DataLoader worker processes.")
@@ -392,6 +397,12 @@ class DataConfig:
             f"must lie in [0, 1), got {self.passkey_fraction}",
         )
         require(0 < self.val_fraction < 1, f"{key}.val_fraction", f"must lie in (0, 1), got {self.val_fraction}")
+        if self.passkey_min_tokens is not None:
+            require(
+                1 <= self.passkey_min_tokens <= self.seq_len,
+                f"{key}.passkey_min_tokens",
+                f"must lie in 1..data.seq_len={self.seq_len}, got {self.passkey_min_tokens}",
+            )
         require(self.num_workers >= 0, f"{key}.num_workers", f"must be non-negative, got {self.num_workers}")
         if self.source != "mds":
             require(not self.streams, f"{key}.streams", "only used with data.source: mds")

@@ -49,15 +49,17 @@ def build_default_dataset(
     passkey_fraction: float,
     val_fraction: float,
     seed: int,
+    passkey_min_tokens: int | None = None,
 ) -> DefaultDataset:
     """Build (or reuse from ``cache_root``) the default dataset.
 
     The cache key hashes the arguments and the Python version (the corpus is its stdlib). The
     dataset is built in a temporary directory and renamed into place; a concurrent builder that
-    loses the rename uses the winner's copy. Each passkey document fills one whole sample with its
-    eos (never split across samples, so needle and question are always seen together); they make
-    up about ``passkey_fraction`` of the samples. Samples are split by ``val_fraction`` (at least
-    one validation sample).
+    loses the rename uses the winner's copy. Passkey documents are never split across samples (needle
+    and question are always seen together): each fills one whole sample with its eos, or, with
+    ``passkey_min_tokens``, a sample holds several of random lengths (`passkey_samples`). Passkey
+    samples make up about ``passkey_fraction`` of the samples. Samples are split by ``val_fraction``
+    (at least one validation sample).
     """
     if not 0.0 <= passkey_fraction < 1.0:
         raise ValueError(f"passkey_fraction must lie in [0, 1), got {passkey_fraction}")
@@ -66,6 +68,7 @@ def build_default_dataset(
         vocab_size=vocab_size,
         corpus_bytes=corpus_bytes,
         passkey_fraction=passkey_fraction,
+        passkey_min_tokens=passkey_min_tokens,
         val_fraction=val_fraction,
         seed=seed,
         python=sys.version,
@@ -77,7 +80,9 @@ def build_default_dataset(
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex}"
         try:
-            write_default_dataset(tmp, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed)
+            write_default_dataset(
+                tmp, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed, passkey_min_tokens
+            )
             os.rename(tmp, final)
         except OSError:
             if not final.exists():  # a failure of our own, not a lost race
@@ -87,7 +92,9 @@ def build_default_dataset(
     return DefaultDataset(final / "train", final / "val", final / "tokenizer.model")
 
 
-def write_default_dataset(out, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed):
+def write_default_dataset(
+    out, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed, passkey_min_tokens=None
+):
     """Train the tokenizer and write the train/val shards of the default dataset into `out` (created here)."""
     start = time.perf_counter()
 
@@ -108,9 +115,7 @@ def write_default_dataset(out, sample_len, vocab_size, corpus_bytes, passkey_fra
     samples = list(pack_documents(docs, sample_len, tokenizer.eos_id))
     rng = random.Random(seed)
     n_passkey = round(passkey_fraction * len(samples) / (1.0 - passkey_fraction))
-    for _ in range(n_passkey):
-        tokens = passkey_training_tokens(tokenizer, sample_len - 1, rng) + [tokenizer.eos_id]
-        samples.append(PackedSample(np.array(tokens, dtype=np.int32), np.zeros(1, dtype=np.int32)))
+    samples += [passkey_samples(tokenizer, sample_len, passkey_min_tokens, rng) for _ in range(n_passkey)]
     rng.shuffle(samples)
     progress(f"{n_passkey} passkey samples")
 
@@ -122,3 +127,19 @@ def write_default_dataset(out, sample_len, vocab_size, corpus_bytes, passkey_fra
     n_train = write_mds(samples[:-n_val], out / "train", compression=None)
     write_mds(samples[-n_val:], out / "val", compression=None)
     progress(f"{n_train} train and {n_val} val samples of {sample_len} tokens written")
+
+
+def passkey_samples(tokenizer, sample_len: int, min_tokens: int | None, rng: random.Random) -> PackedSample:
+    """One sample of whole passkey documents, each with its eos: one filling it (min_tokens None), or
+    several, each min_tokens..sample_len - 1 tokens long but the last, which takes the rest."""
+    tokens: list[int] = []
+    starts: list[int] = []
+    room = sample_len
+    while room:
+        n = room if min_tokens is None else rng.randint(min_tokens + 1, sample_len)
+        if room - n < (min_tokens or 0) + 1:  # no room left for another document: this one takes it all
+            n = room
+        starts.append(len(tokens))
+        tokens += passkey_training_tokens(tokenizer, n - 1, rng) + [tokenizer.eos_id]
+        room -= n
+    return PackedSample(np.array(tokens, dtype=np.int32), np.array(starts, dtype=np.int32))

@@ -95,10 +95,17 @@ def build_training_data(cfg: Config, rank: int) -> TrainingData:
                 vocab_size=cfg.model.vocab_size,
                 corpus_bytes=cfg.data.corpus_bytes,
                 passkey_fraction=cfg.data.passkey_fraction,
+                passkey_min_tokens=cfg.data.passkey_min_tokens,
                 val_fraction=cfg.data.val_fraction,
                 seed=cfg.run.seed,
             )
         except PromptTooShort:
+            if cfg.data.passkey_min_tokens is not None:
+                raise ConfigError(
+                    "<config>",
+                    "data.passkey_min_tokens",
+                    f"{cfg.data.passkey_min_tokens} tokens cannot hold a passkey document; lengthen it",
+                ) from None
             raise ConfigError(
                 "<config>",
                 "data.seq_len",

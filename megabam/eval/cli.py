@@ -56,6 +56,63 @@ def add_eval_parser(sub) -> None:
     pp.add_argument("--buckets", type=int, default=8, help="position buckets of the loss-by-position table")
 
 
+def add_repro_parser(sub) -> None:
+    from megabam.eval.repro import STUDIES
+
+    rp = sub.add_parser(
+        "repro",
+        help="reproduce BAM's or SWAX's claims in miniature on CPU (arms × seeds, resumable)",
+        description="Train every arm for every seed (each a run directory; finished runs are not retrained, "
+        "interrupted ones resume), evaluate retrieval beyond the training length, write a table and a figure.",
+    )
+    rp.add_argument("study", choices=sorted(STUDIES))
+    rp.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for every arm")
+    rp.add_argument("--out", help="directory of the runs and results (default runs/repro-STUDY)")
+    rp.add_argument("--arms", nargs="+", help="arms to run (default: all of the study)")
+    rp.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds per arm (default 0 1 2)")
+    rp.add_argument("--steps", type=int, help="training steps per run (default: the config's train.steps)")
+    rp.add_argument(
+        "--lengths", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="multiples of the training length scored"
+    )
+    rp.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.5, 1.0], help="needle depths in [0, 1]")
+    rp.add_argument("--trials", type=int, default=2, help="prompts per (length, depth) cell (default 2)")
+
+
+def run_repro(args) -> int:
+    return _guarded(lambda: _repro(args))
+
+
+def _repro(args) -> list[str]:
+    from megabam.config import ConfigError, load_config
+    from megabam.eval.repro import REPO, STUDIES, reproduce
+
+    study = STUDIES[args.study]
+    arms = args.arms or list(study.arms)
+    unknown = [a for a in arms if a not in study.arms]
+    _require(not unknown, f"--arms: unknown arm(s) {', '.join(unknown)} (known: {', '.join(study.arms)})")
+    _require(
+        bool(args.seeds) and len(set(args.seeds)) == len(args.seeds), f"--seeds must be distinct, got {args.seeds}"
+    )
+    _require(all(m >= 1 for m in args.lengths), f"--lengths must be positive multiples, got {args.lengths}")
+    _require(args.trials >= 1, f"--trials must be at least 1, got {args.trials}")
+    _require(all(0.0 <= d <= 1.0 for d in args.depths), f"--depths must lie in [0, 1], got {args.depths}")
+    _require(args.steps is None or args.steps >= 1, f"--steps must be at least 1, got {args.steps}")
+    try:  # every arm's config checked before the first run starts
+        configs = [load_config(REPO / study.config, [*study.arms[a], *args.overrides]) for a in arms]
+    except ConfigError as e:
+        raise BadArgument(str(e)) from None
+    steps = args.steps or configs[0].train.steps
+    out = Path(args.out) if args.out else Path("runs") / f"repro-{args.study}"
+    lengths = sorted(set(args.lengths))
+    return reproduce(
+        args.study, out, arms, args.seeds, lengths, args.depths, args.trials, args.overrides, steps, say=_say
+    )
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def add_plot_parser(sub) -> None:
     pl = sub.add_parser("plot", help="draw a run's learned priors, attention maps or training curves")
     kinds = pl.add_subparsers(dest="kind", required=True)

@@ -27,7 +27,8 @@ from megabam.data.loader import build_loader
 from megabam.data.passkey import passkey_sample
 from megabam.data.tokenizer import Tokenizer
 from megabam.data.training_data import build_training_data
-from megabam.eval.passkey import passkey_accuracy
+from megabam.eval.figures import heatmap
+from megabam.eval.passkey import passkey_accuracy, passkey_grid
 from megabam.log import setup_logging
 from megabam.parallel.distributed import init_distributed
 from megabam.parallel.topology import build_topology
@@ -63,6 +64,7 @@ class Summary:
     checkpoint: str
     loss_plot: str
     passkey: dict[int, float]  # prompt length → share of keys retrieved
+    passkey_plot: str | None  # the heatmap of retrieval by length and needle depth
 
     def lines(self) -> list[str]:
         return [
@@ -75,6 +77,7 @@ class Summary:
             *(f"passkey @ {n:<6}  {acc:.0%} retrieved" for n, acc in self.passkey.items()),
             f"checkpoint      {self.checkpoint}",
             f"loss plot       {self.loss_plot}",
+            *([f"passkey plot    {self.passkey_plot}"] if self.passkey_plot else []),
         ]
 
 
@@ -104,6 +107,7 @@ class StepResult:
     tokens_per_s: float
 
 
+FINAL_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]  # needle depths of the end-of-training passkey grid
 # What megabam writes into a run directory before its first checkpoint: a directory holding only
 # these (and no checkpoint) is a start that failed early, and is restarted from step 0.
 START_FILES = {"config.yaml", "tokenizer.model", "metrics.jsonl", "loss.png", "wandb", "checkpoints"}
@@ -327,9 +331,10 @@ class Trainer:
         return self.progress.val_loss
 
     def passkey(self, lengths: list[int]) -> dict[str, float]:
-        """Passkey scores per length (retrieved share and key-token share), as metrics. Every
-        tensor-parallel rank and pipeline stage of the first data-parallel replica takes part; the
-        other replicas return nothing and meet them at the next collective."""
+        """Passkey scores per length (retrieved share and key-token share) of eval.passkey_samples
+        prompts, needle depths spread evenly, as metrics. Every tensor-parallel rank and pipeline
+        stage of the first data-parallel replica takes part; the other replicas return nothing and
+        meet them at the next collective."""
         cfg, scores = self.cfg, {}
         if not cfg.eval.passkey_samples or self.topology.dp_rank != 0:
             return scores
@@ -342,6 +347,33 @@ class Trainer:
             scores[f"passkey_{n}"], scores[f"passkey_{n}_key_tokens"] = score
         engine.train()
         return scores
+
+    def passkey_heatmap(self) -> tuple[dict[str, float], Path | None]:
+        """The end-of-training passkey grid: eval.passkey_lengths × FINAL_DEPTHS, the prompts shared
+        out over the depths; its scores as metrics and, from rank 0, its heatmap (RUN/passkey.png)."""
+        cfg = self.cfg
+        if not cfg.eval.passkey_samples or self.topology.dp_rank != 0:
+            return {}, None
+        trials = -(-cfg.eval.passkey_samples // len(FINAL_DEPTHS))
+        engine = self.engine.deepspeed
+        engine.eval()
+        grid = passkey_grid(
+            self.engine.predict,
+            self.tokenizer,
+            self.passkey_lengths,
+            FINAL_DEPTHS,
+            trials,
+            cfg.run.seed,
+            self.engine.device,
+        )
+        engine.train()
+        scores = {}
+        for n, row in zip(grid.lengths, grid.key_tokens):
+            scores[f"passkey_{n}"], scores[f"passkey_{n}_key_tokens"] = grid.by_length()[n], sum(row) / len(row)
+        if self.rank != 0:
+            return scores, None
+        title = f"passkey retrieval, {self.run_dir.name} @ step {cfg.train.steps} (trained at {cfg.data.seq_len})"
+        return scores, heatmap(grid.accuracy(), grid.lengths, FINAL_DEPTHS, title, self.run_dir / "passkey.png")
 
     def save_checkpoint(self) -> Path:
         """Collective: a checkpoint of the current step."""
@@ -392,7 +424,7 @@ class Trainer:
         cfg, p = self.cfg, self.progress
         if p.last_saved != cfg.train.steps:
             self.save_checkpoint()  # a resumed run that had already reached its end
-        scores = self.passkey(self.passkey_lengths)
+        scores, passkey_plot = self.passkey_heatmap()
         if scores:
             self.logger.log(cfg.train.steps, scores)
         passkey = {n: scores[f"passkey_{n}"] for n in self.passkey_lengths if f"passkey_{n}" in scores}
@@ -413,6 +445,7 @@ class Trainer:
             checkpoint=str(checkpoint.checkpoint_root(self.run_dir) / checkpoint.tag_for(cfg.train.steps)),
             loss_plot=str(self.run_dir / "loss.png"),
             passkey=passkey,
+            passkey_plot=str(passkey_plot) if passkey_plot else None,
         )
 
     def close(self) -> None:

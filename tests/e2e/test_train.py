@@ -30,6 +30,9 @@ def test_main_job_end_to_end(tmp_path, data_cache):
     assert "== megabam summary ==" in result.stdout and "passkey @ 128" in result.stdout
     assert (run_dir / "config.yaml").is_file() and (run_dir / "tokenizer.model").is_file()
     assert (run_dir / "loss.png").stat().st_size > 1000
+    assert (
+        run_dir / "passkey.png"
+    ).stat().st_size > 1000 and f"passkey plot    {run_dir / 'passkey.png'}" in result.stdout
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000030"
     assert (run_dir / "checkpoints" / "step_00000015" / "megabam.json").is_file()
     assert list((run_dir / "wandb").glob("offline-run-*")), "no offline wandb run"

@@ -139,6 +139,25 @@ def test_passkey_training_tokens(tokenizer):
         assert f"The pass key is {key}. Remember it." in text
 
 
+@pytest.mark.parametrize("min_tokens", [None, 200, 300])
+def test_passkey_samples_hold_whole_documents(tokenizer, min_tokens):
+    rng = random.Random(3)
+    counts = set()
+    for _ in range(20):
+        sample = default_dataset_module.passkey_samples(tokenizer, 700, min_tokens, rng)
+        assert len(sample.tokens) == 700 and sample.doc_starts[0] == 0
+        ends = [*sample.doc_starts[1:], 700]
+        for start, end in zip(sample.doc_starts, ends):
+            doc = sample.tokens[start:end].tolist()
+            assert doc[-1] == tokenizer.eos_id
+            assert end - start > (min_tokens or 699)  # each document at least min_tokens + its eos
+            text = tokenizer.decode(doc[:-1])
+            key = text.rsplit(" ", 1)[1]
+            assert text.endswith(f"The pass key is {key}") and f"The pass key is {key}. Remember it." in text
+        counts.add(len(sample.doc_starts))
+    assert counts == {1} if min_tokens is None else max(counts) >= 2
+
+
 # --- MDS shards and loaders --------------------------------------------------------------------
 
 

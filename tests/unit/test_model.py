@@ -39,6 +39,14 @@ def test_every_scheme_trains_finite_from_uniform_loss(positional, ssmax):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+def test_ssmax_s_and_weights_start_where_the_config_says():
+    model = _model("model.attention.ssmax_init=0.25", "model.init_std=0.1", "model.n_layers=4")
+    assert all(torch.equal(b.mixer.ssmax_s, torch.full((4,), 0.25, dtype=torch.float64)) for b in model.blocks)
+    assert abs(model.blocks[0].mixer.qkv.weight.std().item() - 0.1) < 0.01
+    residual = 0.1 / math.sqrt(2 * 4)  # output projections shrunk with depth
+    assert abs(model.blocks[0].mixer.out.weight.std().item() - residual) < 0.005
+
+
 def test_alibi_slopes_match_the_paper():
     assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -(h + 1) for h in range(8)]))
     assert torch.allclose(alibi_slopes(4), torch.tensor([2.0 ** (-2 * (h + 1)) for h in range(4)]))

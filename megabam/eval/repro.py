@@ -1,0 +1,203 @@
+"""`megabam repro bam|swax`: the methods' claims in miniature, on CPU, in one resumable command.
+
+Every arm (a set of config overrides) is trained for every seed as a run directory of its own under
+--out, through `megabam train` in a fresh process: an interrupted reproduction continues each run
+from its checkpoint, and a finished run (its final checkpoint present) is not trained again. Each run
+is then evaluated once (passkey at multiples of the training length; NIAH for SWAX) and the result
+kept beside it (RUN/eval/repro.json), so a rerun only evaluates what is missing. The table (mean and
+spread over seeds) goes to --out/results.md and results.json, with a figure of retrieval against
+length and, for the BAM arms, each run's θ_β per head over training.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Study:
+    config: str  # relative to the repository
+    arms: dict[str, list[str]]  # name → overrides
+    niah: bool  # also score RULER's single_1 needle task
+
+
+STUDIES = {
+    "bam": Study(
+        "yaml_configs/tiny_cpu.yaml",
+        {
+            "ggd_ssmax": [],
+            "ggd": ["model.attention.ssmax=false"],
+            "alibi": ["model.attention.positional=alibi", "model.attention.ssmax=false"],
+            "alibi_ssmax": ["model.attention.positional=alibi"],
+            "rope": ["model.attention.positional=rope", "model.attention.ssmax=false"],
+            "nope": ["model.attention.positional=nope", "model.attention.ssmax=false"],
+            "nope_ssmax": ["model.attention.positional=nope"],
+        },
+        niah=False,
+    ),
+    "swax": Study(
+        "yaml_configs/swax_tiny_cpu.yaml",
+        {
+            "short_16": ["window.windows=[16]", "window.probabilities=[1.0]", "model.swa.window=16"],
+            "long_128": ["window.windows=[128]", "window.probabilities=[1.0]", "model.swa.window=128"],
+            "stochastic_16_128": ["window.windows=[16,128]", "window.probabilities=[0.5,0.5]", "model.swa.window=128"],
+        },
+        niah=True,
+    ),
+}
+
+
+def run_name(arm: str, seed: int) -> str:
+    return f"{arm}-seed{seed}"
+
+
+def trained_to_the_end(run_dir: Path, steps: int) -> bool:
+    latest = run_dir / "checkpoints" / "latest"
+    return latest.is_file() and latest.read_text().strip() == f"step_{steps:08d}"
+
+
+def train_run(study: Study, arm: str, seed: int, out: Path, overrides: list[str], log) -> None:
+    """`megabam train` of one arm and seed (resuming the run if it was interrupted)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "megabam.cli",
+        "train",
+        str(REPO / study.config),
+        *study.arms[arm],
+        *overrides,
+        f"run.seed={seed}",
+        f"run.output_dir={out}",
+        f"run.name={run_name(arm, seed)}",
+        "logging.progress_bar=false",
+    ]
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=os.environ.copy()).returncode
+    if code != 0:
+        raise RuntimeError(f"training {run_name(arm, seed)} failed (exit {code}); its output is in {log}")
+
+
+def evaluate_run(run_dir: Path, multiples: list[int], depths: list[float], trials: int, niah: bool) -> dict:
+    """Passkey (and NIAH single_1) scores at each multiple of the training length, the validation loss."""
+    from megabam.eval.generate import predict_next
+    from megabam.eval.niah import niah_grid
+    from megabam.eval.passkey import passkey_grid
+    from megabam.eval.plots import read_metrics
+    from megabam.eval.trained import load_trained
+
+    trained = load_trained(run_dir)
+    n = trained.config.data.seq_len
+    lengths = [m * n for m in multiples]
+    grid = passkey_grid(
+        lambda ids: predict_next(trained.model, ids), trained.tokenizer, lengths, depths, trials, 0, "cpu"
+    )
+    result = {
+        "step": trained.meta.step,
+        "train_length": n,
+        "passkey": {str(m): grid.by_length()[length] for m, length in zip(multiples, lengths)},
+        "key_tokens": {str(m): sum(row) / len(row) for m, row in zip(multiples, grid.key_tokens)},
+        "val_loss": next(
+            (r["val_loss"] for r in reversed(read_metrics(run_dir / "metrics.jsonl")) if "val_loss" in r), None
+        ),
+    }
+    if niah:
+        needles = niah_grid(trained.model, trained.tokenizer, "single_1", lengths, depths, trials, 0, 1024)
+        result["niah_single_1"] = {str(m): sum(row) / len(row) for m, row in zip(multiples, needles.scores)}
+    return result
+
+
+def summarise(results: dict[str, dict[int, dict]], multiples: list[int], niah: bool) -> list[str]:
+    """Markdown table: per arm, mean ± spread (min–max over seeds) of each score."""
+
+    def cell(values: list[float]) -> str:
+        if not values:
+            return ""
+        mean = statistics.fmean(values)
+        return f"{mean:.2f}" if len(values) == 1 else f"{mean:.2f} ({min(values):.2f}–{max(values):.2f})"
+
+    metrics = [("passkey", m) for m in multiples] + ([("niah_single_1", m) for m in multiples] if niah else [])
+    head = ["arm", "seeds", *(f"{name} {m}×" for name, m in metrics), "val loss"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for arm, seeds in results.items():
+        cells = [arm, str(len(seeds))]
+        cells += [cell([r[name][str(m)] for r in seeds.values()]) for name, m in metrics]
+        cells.append(cell([r["val_loss"] for r in seeds.values() if r["val_loss"] is not None]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def draw(results: dict[str, dict[int, dict]], multiples: list[int], title: str, out: Path) -> Path:
+    from megabam.eval.figures import pyplot, save
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm, seeds in results.items():
+        means = [statistics.fmean(r["passkey"][str(m)] for r in seeds.values()) for m in multiples]
+        lows = [min(r["passkey"][str(m)] for r in seeds.values()) for m in multiples]
+        highs = [max(r["passkey"][str(m)] for r in seeds.values()) for m in multiples]
+        errors = [[a - lo for a, lo in zip(means, lows)], [hi - a for a, hi in zip(means, highs)]]
+        ax.errorbar(multiples, means, yerr=errors, marker="o", capsize=3, label=arm)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(multiples, [f"{m}×" for m in multiples])
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("context length / training length")
+    ax.set_ylabel("passkey retrieval")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, out)
+
+
+def reproduce(
+    name: str,
+    out: Path,
+    arms: list[str],
+    seeds: list[int],
+    multiples: list[int],
+    depths: list[float],
+    trials: int,
+    overrides: list[str],
+    steps: int,
+    say=print,
+) -> list[str]:
+    from megabam.eval.plots import plot_training
+
+    study = STUDIES[name]
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "train.log"
+    results: dict[str, dict[int, dict]] = {}
+    todo = [(arm, seed) for arm in arms for seed in seeds]
+    for i, (arm, seed) in enumerate(todo, 1):
+        run_dir = out / run_name(arm, seed)
+        cached = run_dir / "eval" / "repro.json"
+        start = time.perf_counter()
+        if cached.is_file():
+            result, what = json.loads(cached.read_text()), "done before"
+        else:
+            trained_before = trained_to_the_end(run_dir, steps)
+            if not trained_before:
+                train_run(study, arm, seed, out, [*overrides, f"train.steps={steps}"], log)
+            result = evaluate_run(run_dir, multiples, depths, trials, study.niah)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            cached.write_text(json.dumps(result, indent=1) + "\n")
+            what = "evaluated" if trained_before else "trained and evaluated"
+            if name == "bam" and (run_dir / "metrics.jsonl").is_file():
+                plot_training(run_dir, out / "plots" / f"{run_name(arm, seed)}-training.png")
+        results.setdefault(arm, {})[seed] = result
+        scores = " ".join(f"{m}×:{result['passkey'][str(m)]:.2f}" for m in multiples)
+        say(f"[{i}/{len(todo)}] {arm} seed {seed}: {what} in {time.perf_counter() - start:.0f} s | passkey {scores}")
+    table = summarise(results, multiples, study.niah)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text("\n".join(table) + "\n")
+    figure = draw(results, multiples, f"megabam repro {name}: passkey retrieval by length", out / f"{name}.png")
+    return [*table, "", str(out / "results.md"), str(figure)]
