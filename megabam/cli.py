@@ -1,4 +1,4 @@
-"""The `megabam` command. Subcommands: train, data, eval, plot, repro (later issues add convert, plan)."""
+"""The `megabam` command. Subcommands: train, data, eval, plot, repro, convert (a later issue adds plan)."""
 
 import argparse
 import contextlib
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from megabam import exit_codes
 from megabam.config import Config, ConfigError, load_config
+from megabam.convert.cli import add_convert_parser, run_convert
 from megabam.data.cli import add_data_parser, run_data
 from megabam.eval.cli import add_eval_parser, add_plot_parser, add_repro_parser, run_eval, run_plot, run_repro
 
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     add_eval_parser(sub)
     add_plot_parser(sub)
     add_repro_parser(sub)
+    add_convert_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "train":
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_plot(args)
     if args.command == "repro":
         return run_repro(args)
+    if args.command == "convert":
+        return run_convert(args)
     return exit_codes.BAD_INPUT
 
 

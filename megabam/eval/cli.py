@@ -160,9 +160,7 @@ def _plot_priors(args) -> Path:
         f"--max-distance must be at least 2, got {args.max_distance}",
     )
     trained = _trained(args.source)
-    return plot_priors(
-        trained, _plot_path(args, trained.run_dir, f"priors-{trained.checkpoint.name}"), args.max_distance
-    )
+    return plot_priors(trained, _plot_path(args, trained.run_dir, f"priors-{trained.tag}"), args.max_distance)
 
 
 def _plot_attention(args) -> Path:
@@ -175,9 +173,7 @@ def _plot_attention(args) -> Path:
         ids, marks = passkey_prompt(trained, length)
     except PromptTooShort:
         raise BadArgument(f"--length {length} (default data.seq_len) is too short for a passkey prompt") from None
-    return plot_attention(
-        trained, ids, marks, _plot_path(args, trained.run_dir, f"attention-{trained.checkpoint.name}")
-    )
+    return plot_attention(trained, ids, marks, _plot_path(args, trained.run_dir, f"attention-{trained.tag}"))
 
 
 def _plot_training(args) -> Path:
@@ -219,7 +215,7 @@ def _load(args):
         _require(not str(args.device).startswith("cuda"), f"--device {args.device}: no CUDA device on this machine")
     trained = load_trained(args.source, args.device)
     out = Path(args.out) if args.out else trained.run_dir / "eval"
-    return trained, out, trained.checkpoint.name
+    return trained, out, trained.tag
 
 
 def _write_json(path: Path, data: dict) -> Path:

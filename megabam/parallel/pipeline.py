@@ -5,7 +5,8 @@ the whole model from the run's seed (tensor-parallel shards already taken), then
 hands its modules to a DeepSpeed `PipelineModule`, which keeps the layers of this rank's stage. So a
 PP=k model from seed s holds exactly the layers of the PP=1 model from seed s.
 
-The layer list is [embedding, block 0, …, block L−1, final norm, head]. Between stages flows the
+The layer list is [embedding, block 0, …, block L−1, final norm, head] (megabam/parallel/
+pipeline_layers.py, which checkpoint conversion reads too). Between stages flows the
 tuple (hidden states, document ids); the SWA window of the step, the same for every micro-batch and
 rank, is read from a `StepContext` the trainer sets before each batch. With tied embeddings the
 first and last stage each hold the embedding (one `TiedLayerSpec` key): DeepSpeed broadcasts it
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 
 from megabam.model.attention import SequenceInfo
 from megabam.model.transformer import Block, Decoder, VocabOutput
+from megabam.parallel.pipeline_layers import TIED_HEAD, pipeline_layers
 from megabam.parallel.topology import Topology
 
 EMBEDDING_KEY = "embedding"
@@ -124,8 +126,9 @@ def deepspeed_topology(topology: Topology) -> ProcessTopology:
 def build_pipeline(model: Decoder, topology: Topology, boundaries: list[int], context: StepContext) -> DecoderPipeline:
     """This rank's stage of `model` (already tensor-parallel if TP > 1) as a DeepSpeed pipeline module."""
     positions = model.positions if model.sinusoidal else None
-    blocks = [BlockStage(block, i, context) for i, block in enumerate(model.blocks)]
-    if model.lm_head is None:
+    stages = {f"blocks.{i}": BlockStage(block, i, context) for i, block in enumerate(model.blocks)}
+    tied = model.lm_head is None
+    if tied:
         first = TiedLayerSpec(EMBEDDING_KEY, EmbeddingStage, model.embed, positions, tied_weight_attr="embed.weight")
         last = TiedLayerSpec(
             EMBEDDING_KEY,
@@ -137,11 +140,13 @@ def build_pipeline(model: Decoder, topology: Topology, boundaries: list[int], co
         )
     else:
         first, last = EmbeddingStage(model.embed, positions), HeadStage(model.lm_head, model.output)
+    stages.update({"embed": first, "norm": FinalNormStage(model.norm), TIED_HEAD if tied else "lm_head": last})
+    layers = [stages[name] for name in pipeline_layers(len(model.blocks), tied)]
     # no_grad: DeepSpeed broadcasts the tied embedding in place at construction, which autograd
     # would otherwise record on the parameter.
     with torch.no_grad():
         pipeline = DecoderPipeline(
-            [first, *blocks, FinalNormStage(model.norm), last],
+            layers,
             boundaries,
             topology=deepspeed_topology(topology),
             loss_fn=model.output.loss,

@@ -13,6 +13,8 @@ full model's memory once at build time; models too large for one rank will need 
 construction with per-shard initialisation that reproduces the same values.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,6 +44,54 @@ def shard(t: Tensor, dim: int, rank: int, size: int, parts: int | list[int] = 1)
     if sum(sizes) != t.shape[dim] or any(n % size for n in sizes):
         raise ValueError(f"dimension {dim} of size {t.shape[dim]} does not split into blocks {sizes} of {size} pieces")
     return torch.cat([block.chunk(size, dim)[rank] for block in t.split(sizes, dim)], dim).detach().clone()
+
+
+def unshard(pieces: list[Tensor], dim: int, parts: int | list[int] = 1) -> Tensor:
+    """The full tensor from every rank's `shard` of it, in rank order: the inverse of `shard`."""
+    size = len(pieces)
+    if isinstance(parts, int):
+        blocks = [piece.chunk(parts, dim) for piece in pieces]
+    else:
+        if any(n % size for n in parts):
+            raise ValueError(f"blocks {parts} do not split into {size} pieces")
+        blocks = [piece.split([n // size for n in parts], dim) for piece in pieces]
+    return torch.cat([blocks[rank][b] for b in range(len(blocks[0])) for rank in range(size)], dim)
+
+
+@dataclass(frozen=True)
+class Split:
+    """How tensor parallelism splits one tensor: along `dim`, fused blocks `parts` as in `shard`."""
+
+    dim: int
+    parts: int | tuple[int, ...] = 1
+
+
+def tp_splits(model: Decoder) -> dict[str, Split]:
+    """How `apply_tp` splits each tensor of the full model's state dict, by name (apply_tp keeps the
+    names); a tensor not listed is replicated on every tensor rank. Read from the same plans apply_tp
+    interprets, for checkpoint conversion; tests/unit/test_convert.py checks the two agree."""
+    splits = {"embed.weight": Split(0)}
+    if model.lm_head is not None:
+        splits["lm_head.weight"] = Split(0)
+    for i, block in enumerate(model.blocks):
+        for part in ("mixer", "mlp"):
+            module, prefix = getattr(block, part), f"blocks.{i}.{part}."
+            plan = module.tp_plan()
+            for name, parts in [*plan.column.items(), *plan.channels.items()]:
+                split = Split(0, parts if isinstance(parts, int) else tuple(parts))
+                for tensor_name, _ in getattr(module, name).named_parameters(recurse=False):  # weight, bias
+                    splits[f"{prefix}{name}.{tensor_name}"] = split
+            for name in plan.row:
+                splits[f"{prefix}{name}.weight"] = Split(1)
+            for name in plan.heads:
+                target = getattr(module, name)
+                if isinstance(target, nn.Module):
+                    for tensor_name in target.state_dict(keep_vars=True):
+                        if "." not in tensor_name:  # its own tensors, as apply_plan shards them
+                            splits[f"{prefix}{name}.{tensor_name}"] = Split(0)
+                elif target is not None:
+                    splits[prefix + name] = Split(0)
+    return splits
 
 
 def sharded_parameter(t: Tensor, requires_grad: bool = True) -> nn.Parameter:

@@ -1,10 +1,13 @@
 """A run directory with one checkpoint written by hand (no training, no DeepSpeed), laid out as the
-trainer lays it out: checkpoints/step_N/{mp_rank_00_model_states.pt, megabam.json, manifest.json}
-beside tokenizer.model. For the evaluation and plot tests."""
+trainer lays it out: checkpoints/step_N/{mp_rank_XX_model_states.pt, megabam.json, manifest.json}
+beside tokenizer.model, one weights file per tensor-parallel rank holding the shards `apply_tp` takes.
+For the evaluation, plot and conversion tests."""
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -12,6 +15,7 @@ from megabam.config import load_config
 from megabam.data.corpus import python_stdlib_documents
 from megabam.data.tokenizer import train_tokenizer
 from megabam.model import Decoder
+from megabam.parallel.tensor_parallel import apply_tp
 from megabam.train.checkpoint import MANIFEST_FILE, META_FILE, CheckpointMeta, _digest, tag_for
 
 from .runs import CONFIG
@@ -34,7 +38,11 @@ def write_run(root: Path, *overrides: str, step: int = 10, tokenizer_from: Path 
     model = Decoder(cfg.model)
     ckpt = root / "checkpoints" / tag_for(step)
     ckpt.mkdir(parents=True)
-    torch.save({"module": model.state_dict()}, ckpt / "mp_rank_00_model_states.pt")
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    model = model.to(dtype)
+    for rank in range(cfg.parallel.tensor):
+        weights = shard_model(model, rank, cfg.parallel.tensor).state_dict()
+        torch.save({"module": weights}, ckpt / f"mp_rank_{rank:02d}_model_states.pt")
     meta = CheckpointMeta(
         step=step,
         tokens=step * 1000,
@@ -51,3 +59,11 @@ def write_run(root: Path, *overrides: str, step: int = 10, tokenizer_from: Path 
     (ckpt / MANIFEST_FILE).write_text(json.dumps({"files": files}))
     (root / "checkpoints" / "latest").write_text(tag_for(step))
     return root, model.eval()
+
+
+def shard_model(model: Decoder, rank: int, size: int) -> Decoder:
+    """Tensor rank `rank`'s part of `model` (a copy) as apply_tp makes it on that rank (no process group
+    is needed to build it)."""
+    if size == 1:
+        return model
+    return apply_tp(copy.deepcopy(model), SimpleNamespace(tp_rank=rank, tp_size=size, tp_group=None))

@@ -258,15 +258,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message, share
     assert len(err.splitlines()) == 1 and message in err, err
 
 
-def test_models_without_a_prior_or_with_split_layouts_are_refused(tmp_path, capsys, shared_run):
+def test_models_without_a_prior_are_refused_by_plot_priors(tmp_path, capsys, shared_run):
     rope, _ = write_run(
         tmp_path / "rope", "model.attention.positional=rope", tokenizer_from=shared_run / "tokenizer.model"
     )
     assert main(["plot", "priors", str(rope)]) == 2
     assert "no attention layer has a positional prior" in capsys.readouterr().err
-    split, _ = write_run(tmp_path / "tp2", "parallel.tensor=2", tokenizer_from=shared_run / "tokenizer.model")
-    assert main(["eval", "passkey", str(split)]) == 2
-    assert "parallel.tensor=2" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,1 @@
+"""Checkpoint conversion: `megabam convert inspect|consolidate` (megabam/convert/cli.py)."""

@@ -1,0 +1,94 @@
+"""`megabam convert consolidate CKPT OUT`: a checkpoint of any layout as one folder of full tensors.
+
+OUT holds the model's weights under the names of the one-process `Decoder` (its state dict) in
+safetensors (sharded with an index past --max-shard-size), the resolved config (config.yaml), the
+tokenizer, the checkpoint's metadata (megabam.json) and consolidated.json (source, dtype, layout).
+Weights only: the optimizer state stays with the checkpoint. The weights are the ones the model
+computes with (a bf16 run's bf16 weights; --dtype fp32 widens them exactly).
+
+Tensors are read, put together and written one at a time (megabam/convert/reader.py,
+safetensors_out.py), so peak memory is about the largest tensor's full size times a small factor.
+"""
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from megabam.config import Config, ConfigError, load_config
+from megabam.config.loader import save_config
+from megabam.convert.output import check_output, output_folder
+from megabam.convert.reader import CheckpointReader
+from megabam.convert.safetensors_out import read_model, write_model
+from megabam.model import Decoder
+from megabam.train.checkpoint import META_FILE, CheckpointError, CheckpointMeta
+
+MARKER = "consolidated.json"
+FORMAT = "megabam-consolidated"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def consolidate(
+    source: Path, out: Path, dtype: str = "fp32", max_shard_bytes: int = 5 * 10**9, overwrite: bool = False
+) -> list[str]:
+    """Write the consolidated folder `out` from checkpoint (or run directory) `source`; returns the
+    summary lines. Everything is checked before anything is written."""
+    start = time.perf_counter()
+    reader = CheckpointReader(source)
+    check_output(out, overwrite, reader.path)
+    reader.check()
+    tokenizer = reader.tokenizer_path()
+    entries = list(reader.shapes.items())
+    with output_folder(out) as tmp:
+        files = write_model(tmp, entries, DTYPES[dtype], reader.tensor, max_shard_bytes)
+        save_config(reader.config, tmp / "config.yaml")
+        shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+        (tmp / META_FILE).write_text(reader.meta.to_json())
+        layout = {"tensor": reader.tp, "pipeline": reader.pp}
+        marker = {"format": FORMAT, "version": 1, "source": str(reader.path), "step": reader.meta.step}
+        marker |= {"dtype": dtype, "trained_layout": layout, "weights": files}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+    params = sum(torch.Size(shape).numel() for _, shape in entries)
+    return [
+        f"consolidated {reader.path} (step {reader.meta.step}, tensor {reader.tp} × pipeline {reader.pp})",
+        f"into {out}: {len(entries)} tensors, {params:,} parameters, {dtype}, {len(files)} file(s) "
+        f"in {time.perf_counter() - start:.1f} s",
+    ]
+
+
+def is_consolidated(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+@dataclass
+class Consolidated:
+    model: Decoder
+    config: Config
+    meta: CheckpointMeta
+    tokenizer: Path
+
+
+def read_consolidated(folder: Path) -> Consolidated:
+    """The one-process model (float32), config, metadata and tokenizer of a consolidated folder."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder / MARKER}: not readable as JSON ({e})") from None
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        raise CheckpointError(f"{folder / MARKER}: not a {FORMAT} marker")
+    try:
+        config = load_config(folder / "config.yaml")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    meta = CheckpointMeta.read(folder / META_FILE)
+    model = Decoder(config.model)
+    try:
+        state = read_model(folder)
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+    except (OSError, RuntimeError, KeyError, ValueError, SafetensorError) as e:
+        raise CheckpointError(f"{folder}: weights do not fit its config.yaml ({str(e).splitlines()[0]})") from None
+    return Consolidated(model, config, meta, folder / "tokenizer.model")

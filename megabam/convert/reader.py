@@ -1,0 +1,205 @@
+"""A megabam checkpoint of any layout read as the full model's tensors, one tensor at a time.
+
+The trainer's checkpoints hold DeepSpeed's files: per tensor-parallel rank `mp_rank_XX_model_states.pt`
+(its shard of every weight under "module"), or under pipeline parallelism one file per pipeline layer
+and tensor rank (megabam/parallel/pipeline_layers.py), plus the ZeRO optimizer partitions. Data
+parallelism does not split the weights (ZeRO 0-2 partition only the optimizer state). The full
+tensor of each name is put together from the tensor ranks' shards by the same split the tensor-
+parallel plans declare (megabam/parallel/tensor_parallel.py `tp_splits`), and the names, shapes
+and the set of tensors are those of the model that the checkpoint's config builds (on the meta
+device: no memory). Files are memory-mapped and read per tensor, so reading the largest tensor
+costs about its size, not the checkpoint's. Everything is read with `weights_only=True`.
+"""
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from megabam.config import Config, ConfigError
+from megabam.config.loader import config_from_dict
+from megabam.model import Decoder
+from megabam.parallel.pipeline_layers import TIED_HEAD, layer_file, locate, pipeline_layers
+from megabam.parallel.tensor_parallel import Split, shard, tp_splits, unshard
+from megabam.train.checkpoint import (
+    META_FILE,
+    CheckpointError,
+    CheckpointMeta,
+    checkpoint_root,
+    list_tags,
+    manifest_problems,
+)
+
+OPTIMIZER_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def model_states_file(model_parallel_rank: int) -> str:
+    """DeepSpeed's per-model-parallel-rank engine file (with the weights under "module" without PP)."""
+    return f"mp_rank_{model_parallel_rank:02d}_model_states.pt"
+
+
+def find_checkpoint(path: Path) -> Path:
+    """`path` itself when it is a checkpoint directory (holds megabam.json), else the newest
+    checkpoint of the run directory `path` whose manifest verifies."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such run or checkpoint directory")
+    if (path / META_FILE).is_file():
+        problems = manifest_problems(path)
+        if problems:
+            raise CheckpointError(
+                f"{path}: unusable ({problems if isinstance(problems, str) else '; '.join(problems)})"
+            )
+        return path
+    tags = list_tags(path)
+    if not tags:
+        raise CheckpointError(f"{path}: neither a checkpoint directory nor a run directory with checkpoints")
+    skipped = []
+    for tag in tags:
+        problems = manifest_problems(checkpoint_root(path) / tag)
+        if not problems:
+            return checkpoint_root(path) / tag
+        skipped.append(f"{tag}: {problems if isinstance(problems, str) else '; '.join(problems)}")
+    raise CheckpointError(f"{path}: no checkpoint verifies ({' | '.join(skipped)})")
+
+
+def load_weights_file(path: Path) -> dict:
+    """A DeepSpeed weights file, memory-mapped, as plain tensors (nothing unpickled)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not readable as weights ({str(e).splitlines()[0]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
+    return state
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where one tensor rank's share of a tensor lives: the file and the key in its weights."""
+
+    file: str
+    key: str
+
+
+class CheckpointReader:
+    """The checkpoint directory `path` (or a run directory's newest verified checkpoint): its
+    metadata and config, its layout, and the full tensors of its model by name."""
+
+    def __init__(self, path: str | Path):
+        self.path = find_checkpoint(Path(path))
+        self.meta = CheckpointMeta.read(self.path / META_FILE)
+        try:
+            self.config: Config = config_from_dict(self.meta.config, str(self.path / META_FILE))
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        self.tp = self.config.parallel.tensor
+        self.pp = self.config.parallel.pipeline
+        with torch.device("meta"):
+            self.model = Decoder(self.config.model)
+        self.shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        self.splits = tp_splits(self.model)
+        self.layers = pipeline_layers(len(self.model.blocks), self.model.lm_head is None) if self.pp > 1 else None
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path.parent.parent
+
+    def tokenizer_path(self) -> Path:
+        """The run's tokenizer: beside the checkpoints (so a moved run still works), else where the
+        run recorded it."""
+        beside = self.run_dir / "tokenizer.model"
+        for candidate in (beside, Path(self.meta.tokenizer)):
+            if candidate.is_file():
+                return candidate
+        raise CheckpointError(f"{self.path}: its tokenizer is neither {beside} nor {self.meta.tokenizer}")
+
+    def pieces(self, name: str) -> list[Piece]:
+        """Each tensor rank's file and key of tensor `name` (a replicated tensor is on every rank too)."""
+        if self.layers is None:
+            return [Piece(model_states_file(r), f"module.{name}") for r in range(self.tp)]
+        layer, key = locate(name, self.layers)
+        return [Piece(layer_file(layer, r), key) for r in range(self.tp)]
+
+    def files(self) -> list[str]:
+        """Every weights file the layout implies, in order."""
+        if self.layers is None:
+            return [model_states_file(r) for r in range(self.tp)]
+        return [layer_file(i, r) for i, name in enumerate(self.layers) if name != TIED_HEAD for r in range(self.tp)]
+
+    def piece_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of one tensor rank's share of `name`."""
+        shape = self.shapes[name]
+        split = self.splits.get(name)
+        if split is None:
+            return shape
+        return tuple(shard(torch.empty(shape, device="meta"), split.dim, 0, self.tp, split.parts).shape)
+
+    def _weights(self, file: str) -> dict:
+        state = load_weights_file(self.path / file)
+        if self.layers is None:
+            module = state.get("module")
+            if not isinstance(module, dict):
+                raise CheckpointError(f"{self.path / file}: holds no 'module' weights")
+            return {f"module.{k}": v for k, v in module.items()}
+        return state
+
+    def check(self) -> None:
+        """Every file the layout needs is there and holds exactly the tensors the config's model has, of
+        the shapes its split gives: a CheckpointError naming the first file and tensor that do not."""
+        wanted: dict[str, dict[str, tuple]] = {}
+        for name in self.shapes:
+            for piece in self.pieces(name):
+                wanted.setdefault(piece.file, {})[piece.key] = self.piece_shape(name)
+        for file in self.files():
+            wanted.setdefault(file, {})
+        for file, keys in wanted.items():
+            if not (self.path / file).is_file():
+                raise CheckpointError(
+                    f"{self.path / file}: missing (the layout tensor={self.tp}, pipeline={self.pp} needs it)"
+                )
+            found = {k: tuple(v.shape) for k, v in self._weights(file).items() if isinstance(v, Tensor)}
+            for key, shape in keys.items():
+                if key not in found:
+                    raise CheckpointError(
+                        f"{self.path / file}: has no tensor {_shown(key)} (the config's model has it)"
+                    )
+                if found[key] != shape:
+                    raise CheckpointError(
+                        f"{self.path / file}: {_shown(key)} has shape {list(found[key])}, "
+                        f"the config's model {list(shape)}"
+                    )
+            extra = sorted(set(found) - set(keys))
+            if extra:
+                raise CheckpointError(f"{self.path / file}: holds {_shown(extra[0])}, which the config's model has not")
+
+    def tensor(self, name: str) -> Tensor:
+        """The full tensor `name` as stored (its training dtype), put together from its shards."""
+        split: Split | None = self.splits.get(name)
+        pieces = []
+        for piece in self.pieces(name)[: 1 if split is None else None]:
+            weights = self._weights(piece.file)
+            if piece.key not in weights:
+                raise CheckpointError(f"{self.path / piece.file}: has no tensor {_shown(piece.key)}")
+            pieces.append(weights[piece.key].clone())  # out of the mapped file, which closes with `weights`
+            del weights
+        full = pieces[0] if split is None else unshard(pieces, split.dim, split.parts)
+        if tuple(full.shape) != self.shapes[name]:
+            raise CheckpointError(
+                f"{self.path}: {name} has shape {list(full.shape)}, the config's model {list(self.shapes[name])}"
+            )
+        return full
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Every tensor of the model, full (for loading into a one-process `Decoder`)."""
+        return {name: self.tensor(name) for name in self.shapes}
+
+    def optimizer_files(self) -> list[str]:
+        """The ZeRO optimizer partitions present (zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt)."""
+        return sorted(p.name for p in self.path.iterdir() if OPTIMIZER_FILE.match(p.name))
+
+
+def _shown(key: str) -> str:
+    """A key as messages name it: the model's tensor name (without the engine file's "module.")."""
+    return key.removeprefix("module.")

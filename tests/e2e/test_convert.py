@@ -1,0 +1,50 @@
+"""`megabam convert` on checkpoints that real parallel training wrote (DeepSpeed under torchrun,
+gloo): TP=2 × PP=2 (per-layer files, ZeRO-1) and DP=2 × TP=2 with ZeRO-2. The consolidated folder's
+one-process model must give the logits that the parallel model computes after DeepSpeed itself loads
+the same checkpoint (tests/helpers/parallel_logits.py), within 1e-5 in fp32."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers.parallel_logits import token_ids
+from helpers.runs import ENV, REPO, megabam_train
+
+from megabam.cli import main
+from megabam.convert.consolidate import read_consolidated
+
+LOGITS_ATOL = 1e-5  # measured 3.6e-7 (TP=2 × PP=2), logits of size ~1
+
+LAYOUTS = {
+    "tp2pp2": ["parallel.tensor=2", "parallel.pipeline=2", "parallel.zero_stage=1"],
+    "dp2tp2_zero2": ["parallel.tensor=2", "parallel.zero_stage=2", "train.micro_batch_size=2"],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_consolidated_model_gives_the_parallel_models_logits(tmp_path, data_cache, layout, capsys):
+    megabam_train(
+        tmp_path, data_cache, f"run.name={layout}", "train.steps=3", "checkpoint.every=3", *LAYOUTS[layout], nproc=4
+    )
+    ckpt = tmp_path / layout / "checkpoints" / "step_00000003"
+    reference = tmp_path / "parallel_logits.pt"
+    helper = REPO / "tests" / "helpers" / "parallel_logits.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(helper)]
+    result = subprocess.run([*cmd, str(ckpt), str(reference)], capture_output=True, text=True, env=ENV, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    assert main(["convert", "inspect", str(tmp_path / layout), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"]["data"] == (2 if layout.startswith("dp2") else 1)
+    assert report["optimizer_state"]["present"] and len(report["optimizer_state"]["files"]) == 4
+
+    out = tmp_path / "consolidated"
+    assert main(["convert", "consolidate", str(tmp_path / layout), str(out)]) == 0
+    folder = read_consolidated(out)
+    with torch.no_grad():
+        logits = folder.model.eval()(token_ids(folder.config.model.vocab_size))
+    expected = torch.load(reference, weights_only=True)
+    assert logits.shape == expected.shape
+    assert (logits - expected).abs().max().item() < LOGITS_ATOL

@@ -1,0 +1,235 @@
+"""Checkpoint conversion (megabam/convert): the tensor-parallel splits it reads against what apply_tp
+does, consolidation of hand-written sharded checkpoints against the model that was sharded (bit for
+bit), the safetensors files against safetensors' own reader, `convert inspect`, and every bad input
+as one line, exit 2, with nothing written and the input unchanged. The e2e tests consolidate
+checkpoints that real parallel training wrote (tests/e2e/test_convert.py)."""
+
+import json
+
+import pytest
+import torch
+from helpers.checkpoints import shard_model, write_run
+from safetensors import safe_open
+
+from megabam.cli import main
+from megabam.config import load_config
+from megabam.convert.consolidate import read_consolidated
+from megabam.convert.reader import CheckpointReader
+from megabam.convert.safetensors_out import INDEX, parse_size
+from megabam.model import Decoder
+from megabam.parallel.tensor_parallel import shard, tp_splits, unshard
+from megabam.train.checkpoint import _digest
+
+SWA = ["model.swa.window=16", "window.windows=[16]", "window.probabilities=[1.0]"]
+VARIANTS = {
+    "bam": ["model.attention.bam.init=spread"],
+    "swax": ["model.layer_pattern=[swa,mlstm]", *SWA],
+    "deltanet": ["model.layer_pattern=[swa,gated_deltanet]", *SWA],
+    "gqa_untied_shared_prior": [
+        "model.n_heads=4",
+        "model.attention.kv_heads=2",
+        "model.tie_embeddings=false",
+        "model.attention.bam.shared_across_layers=true",
+    ],
+}
+
+
+def model_of(overrides: list[str]) -> Decoder:
+    from helpers.runs import CONFIG
+
+    cfg = load_config(
+        CONFIG, ["model.vocab_size=96", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", *overrides]
+    )
+    torch.manual_seed(0)
+    return Decoder(cfg.model)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_splits_read_from_the_plans_are_what_apply_tp_does(name):
+    full = model_of(VARIANTS[name])
+    splits, whole = tp_splits(full), full.state_dict()
+    split_seen = set()
+    for rank in range(2):
+        for key, local in shard_model(full, rank, 2).state_dict().items():
+            s = splits.get(key)
+            expected = whole[key] if s is None else shard(whole[key], s.dim, rank, 2, s.parts)
+            assert torch.equal(local, expected), key
+            if s is not None:
+                split_seen.add(key)
+    # Every split the plans name is one apply_tp made (shape changed), and no other tensor changed shape.
+    local = shard_model(full, 0, 2).state_dict()
+    changed = {k for k in whole if local[k].shape != whole[k].shape}
+    assert changed == set(splits) == split_seen
+
+
+@pytest.mark.parametrize("parts", [1, 2, [8, 4, 4]])
+def test_unshard_inverts_shard(parts):
+    t = torch.randn(16, 5)
+    for size in (1, 2, 4):
+        assert torch.equal(unshard([shard(t, 0, r, size, parts) for r in range(size)], 0, parts), t)
+    assert torch.equal(unshard([shard(t.T, 1, r, 2) for r in range(2)], 1), t.T)
+
+
+def digests(folder):
+    return {p.relative_to(folder): _digest(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("name", ["bam", "swax", "deltanet", "gqa_untied_shared_prior"])
+def test_consolidating_a_tensor_parallel_checkpoint_gives_the_sharded_model_bit_for_bit(tmp_path, name, tokenizer_run):
+    run, model = write_run(tmp_path / "run", *VARIANTS[name], "parallel.tensor=2", tokenizer_from=tokenizer_run)
+    before = digests(run)
+    out = tmp_path / "out"
+    assert main(["convert", "consolidate", str(run), str(out)]) == 0
+    assert digests(run) == before  # the input is never modified
+    folder = read_consolidated(out)
+    for key, value in model.state_dict().items():
+        assert torch.equal(folder.model.state_dict()[key], value), key
+    assert folder.meta.step == 10 and (out / "tokenizer.model").read_bytes() == (run / "tokenizer.model").read_bytes()
+    marker = json.loads((out / "consolidated.json").read_text())
+    assert marker["trained_layout"] == {"tensor": 2, "pipeline": 1} and marker["dtype"] == "fp32"
+
+
+def test_bf16_weights_widen_exactly_and_narrow_on_request(tmp_path, tokenizer_run):
+    run, model = write_run(tmp_path / "run", "train.precision=bf16", "parallel.tensor=2", tokenizer_from=tokenizer_run)
+    assert main(["convert", "consolidate", str(run), str(tmp_path / "fp32")]) == 0
+    assert main(["convert", "consolidate", str(run), str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    for key, value in model.state_dict().items():
+        with safe_open(tmp_path / "fp32" / "model.safetensors", "pt") as f:
+            assert f.get_tensor(key).dtype == torch.float32 and torch.equal(f.get_tensor(key), value.float())
+        with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as f:
+            assert torch.equal(f.get_tensor(key), value)
+
+
+def test_large_outputs_are_sharded_with_an_index_safetensors_reads(tmp_path, shared_run):
+    out = tmp_path / "out"
+    assert main(["convert", "consolidate", str(shared_run), str(out), "--max-shard-size", "20KB"]) == 0
+    index = json.loads((out / INDEX).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2
+    reader = CheckpointReader(shared_run)
+    total = 0
+    for file in files:
+        with safe_open(out / file, "pt") as f:
+            for key in f.keys():
+                assert index["weight_map"][key] == file
+                assert torch.equal(f.get_tensor(key), reader.tensor(key))
+                total += f.get_tensor(key).numel() * 4
+    assert set(index["weight_map"]) == set(reader.shapes) and index["metadata"]["total_size"] == total
+    # A file holds more than one tensor only while it stays under the size.
+    for file in files:
+        with safe_open(out / file, "pt") as f:
+            sizes = [f.get_tensor(k).numel() * 4 for k in f.keys()]
+        assert len(sizes) == 1 or sum(sizes) <= 20_000
+
+
+def test_inspect_lists_every_tensor_of_every_rank_file(tmp_path, capsys, tokenizer_run):
+    run, model = write_run(tmp_path / "run", "parallel.tensor=2", tokenizer_from=tokenizer_run)
+    assert main(["convert", "inspect", str(run), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["step"] == 10 and report["tokens"] == 10_000
+    assert report["layout"]["tensor"] == 2 and report["optimizer_state"]["present"] is False
+    for rank in range(2):
+        local = shard_model(model, rank, 2).state_dict()
+        listed = {t["name"]: t["shape"] for t in report["files"][f"mp_rank_{rank:02d}_model_states.pt"]}
+        assert listed == {k: list(v.shape) for k, v in local.items()}
+    assert report["model"]["parameters"] == sum(p.numel() for p in model.parameters())
+    assert main(["convert", "inspect", str(run)]) == 0
+    text = capsys.readouterr().out
+    assert "tensor 2 × pipeline 1" in text and "blocks.0.mixer.qkv.weight" in text and "verified" in text
+
+
+def test_evaluation_reads_split_checkpoints_and_consolidated_folders(tmp_path, capsys, tokenizer_run):
+    run, _ = write_run(tmp_path / "run", "parallel.tensor=2", tokenizer_from=tokenizer_run)
+    assert main(["convert", "consolidate", str(run), str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    scores = []
+    for source in (run, tmp_path / "out"):
+        args = ["eval", "passkey", str(source), "--lengths", "300", "--depths", "0.5", "--trials", "3"]
+        assert main([*args, "--out", str(tmp_path / "eval")]) == 0, capsys.readouterr().err
+        result = json.loads((tmp_path / "eval" / "passkey-step_00000010.json").read_text())
+        scores.append((result["retrieved"], result["key_token_accuracy"]))
+        capsys.readouterr()
+    assert scores[0] == scores[1]
+
+
+def test_output_is_replaced_only_with_overwrite_and_only_once_complete(tmp_path, capsys, shared_run, monkeypatch):
+    out = tmp_path / "out"
+    assert main(["convert", "consolidate", str(shared_run), str(out)]) == 0
+    first = digests(out)
+    # A conversion that fails half-way (here: on its third tensor) leaves the old output as it was
+    # and no temporary folder.
+    calls = {"n": 0}
+    real = CheckpointReader.tensor
+
+    def failing(self, name):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError("No space left on device")
+        return real(self, name)
+
+    monkeypatch.setattr(CheckpointReader, "tensor", failing)
+    with pytest.raises(OSError):
+        main(["convert", "consolidate", str(shared_run), str(out), "--overwrite", "--dtype", "bf16"])
+    assert digests(out) == first and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    monkeypatch.setattr(CheckpointReader, "tensor", real)
+    assert main(["convert", "consolidate", str(shared_run), str(out), "--overwrite", "--dtype", "bf16"]) == 0
+    assert json.loads((out / "consolidated.json").read_text())["dtype"] == "bf16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, shared_run, tokenizer_run):
+    ckpt = shared_run / "checkpoints" / "step_00000010"
+    # A checkpoint whose config disagrees with its tensors (written for d_model 32, told 48), manifest intact.
+    wrong, _ = write_run(tmp_path / "wrong", tokenizer_from=tokenizer_run)
+    meta_file = wrong / "checkpoints" / "step_00000010" / "megabam.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["model"]["d_model"] = 48
+    meta_file.write_text(json.dumps(meta))
+    manifest = wrong / "checkpoints" / "step_00000010" / "manifest.json"
+    files = json.loads(manifest.read_text())
+    files["files"]["megabam.json"] = _digest(meta_file)
+    manifest.write_text(json.dumps(files))
+    # A tensor-parallel checkpoint with one rank's file gone (the manifest catches it).
+    missing, _ = write_run(tmp_path / "missing", "parallel.tensor=2", tokenizer_from=tokenizer_run)
+    (missing / "checkpoints" / "step_00000010" / "mp_rank_01_model_states.pt").unlink()
+    exists = tmp_path / "exists"
+    exists.mkdir()
+    cases = [
+        (["convert", "inspect", str(tmp_path / "nothing")], "no such run or checkpoint directory"),
+        (
+            ["convert", "consolidate", str(wrong), str(tmp_path / "o1")],
+            "embed.weight has shape [512, 32], the config's model [512, 48]",
+        ),
+        (["convert", "consolidate", str(missing), str(tmp_path / "o2")], "mp_rank_01_model_states.pt is missing"),
+        (["convert", "consolidate", str(shared_run), str(exists)], "already exists (pass --overwrite"),
+        (["convert", "consolidate", str(shared_run), str(ckpt / "out")], "must lie outside the input"),
+        (
+            ["convert", "consolidate", str(shared_run), str(tmp_path / "o3"), "--max-shard-size", "lots"],
+            "--max-shard-size",
+        ),
+    ]
+    before = digests(shared_run)
+    for args, message in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, (args, err)
+    assert digests(shared_run) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "missing", "wrong"]
+    assert list(exists.iterdir()) == []
+
+
+def test_sizes_parse_as_hugging_face_writes_them():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 5 * 10**8 and parse_size("1000") == 1000
+    with pytest.raises(ValueError):
+        parse_size("0")
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    run, _ = write_run(tmp_path_factory.mktemp("shared") / "run")
+    return run
+
+
+@pytest.fixture(scope="module")
+def tokenizer_run(shared_run):
+    return shared_run / "tokenizer.model"
