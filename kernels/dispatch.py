@@ -9,6 +9,7 @@ of the kernels' tests) forces one. The mode comes from the config key `model.ker
 without editing its config. Each op's choice is logged once per process (per mode and choice).
 """
 
+import importlib
 import logging
 import os
 
@@ -21,6 +22,13 @@ from megabam.kernels.mlstm import mlstm_chunkwise as mlstm_chunkwise_reference
 
 ENV = "MEGABAM_KERNELS"
 MODES = ("auto", "triton", "reference")
+# Imported on first use: the CPU path never needs Triton, the interpreter flag is read when a kernel
+# module is imported, and code that runs without megabam (the Hugging Face export, which ships these
+# ops with mode `reference`) never names the kernel modules in an import statement.
+TRITON_KERNELS = {
+    "attention": ("megabam.kernels.bam_attention_triton", "bam_attention_triton"),
+    "mlstm": ("megabam.kernels.mlstm_triton", "mlstm_chunkwise_triton"),
+}
 
 log = logging.getLogger(__name__)
 logged_choices: set = set()  # (op, mode, choice) already logged by this process
@@ -46,15 +54,19 @@ def choose(backend: str, tensor: Tensor, op: str = "attention", sdpa_applies: bo
     return choice
 
 
+def triton_kernel(op: str):
+    """The Triton kernel of `op` ("attention", "mlstm"), its module imported now (TRITON_KERNELS)."""
+    module, name = TRITON_KERNELS[op]
+    return getattr(importlib.import_module(module), name)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **options) -> Tensor:
     """BAM attention on the op that `choose` picks: `options` (theta_alpha, theta_beta, theta_mu,
     ssmax_s, ssmax_before_prior, doc_ids, window, block_size, scale) and the result are those of
     megabam.kernels.bam_attention.bam_attention, which the other ops share."""
     choice = choose(backend, q, sdpa_applies=bam_attention_sdpa.applies(**options))
     if choice == "triton":
-        # Imported on first use: the CPU path never needs Triton, and the interpreter flag is read
-        # when the kernel module is imported.
-        from megabam.kernels.bam_attention_triton import bam_attention_triton as op
+        op = triton_kernel("attention")
     elif choice == "sdpa":
         op = bam_attention_sdpa.bam_attention_sdpa
     else:
@@ -77,7 +89,7 @@ def mlstm_chunkwise(
     """The chunkwise mLSTM cell (arguments and result of megabam.kernels.mlstm.mlstm_chunkwise) on the op that
     `choose(backend, q, "mlstm")` picks."""
     if choose(backend, q, "mlstm") == "triton":
-        from megabam.kernels.mlstm_triton import mlstm_chunkwise_triton as op  # lazily, as for attention
+        op = triton_kernel("mlstm")
     else:
         op = mlstm_chunkwise_reference
     return op(q, k, v, i, f, eps, chunk_size, state)

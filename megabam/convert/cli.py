@@ -1,4 +1,5 @@
-"""`megabam convert inspect|consolidate`: read a checkpoint of any layout, write it as full tensors.
+"""`megabam convert inspect|consolidate|to-hf`: read a checkpoint of any layout, write it as full
+tensors, or as a folder that transformers loads.
 
 Bad input (a path, a checkpoint that does not verify or does not fit its config, an output that
 exists) is one line on stderr and exit 2, before anything is written; the input is never modified.
@@ -28,6 +29,17 @@ def add_convert_parser(sub) -> None:
     co.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the weights written")
     co.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     co.add_argument("--overwrite", action="store_true", help="replace OUT once the new folder is complete")
+    hf = tasks.add_parser(
+        "to-hf",
+        help="a folder transformers loads (AutoModelForCausalLM, trust_remote_code) with only torch installed",
+        description="Write OUT: config.json with auto_map, safetensors weights, the modeling code with the megabam "
+        "model sources it needs, the tokenizer (sentencepiece model, tokenizer.json and configs).",
+    )
+    hf.add_argument("source", help="checkpoint directory, or run directory (its newest verified checkpoint)")
+    hf.add_argument("out", help="output folder (must not exist, unless --overwrite)")
+    hf.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the weights written")
+    hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    hf.add_argument("--overwrite", action="store_true", help="replace OUT once the new folder is complete")
 
 
 def run_convert(args) -> int:
@@ -35,7 +47,7 @@ def run_convert(args) -> int:
     from megabam.train.checkpoint import CheckpointError
 
     try:
-        lines = _inspect(args) if args.task == "inspect" else _consolidate(args)
+        lines = {"inspect": _inspect, "consolidate": _consolidate, "to-hf": _to_hf}[args.task](args)
     except (CheckpointError, OutputError) as e:
         print(f"megabam: error: {e}", file=sys.stderr)
         return exit_codes.BAD_INPUT
@@ -50,13 +62,23 @@ def _inspect(args) -> list[str]:
     return [json.dumps(report, indent=1)] if args.json else report_lines(report)
 
 
-def _consolidate(args) -> list[str]:
-    from megabam.convert.consolidate import consolidate
+def _max_bytes(args) -> int:
     from megabam.convert.output import OutputError
     from megabam.convert.safetensors_out import parse_size
 
     try:
-        max_bytes = parse_size(args.max_shard_size)
+        return parse_size(args.max_shard_size)
     except ValueError as e:
         raise OutputError(f"--max-shard-size: {e}") from None
-    return consolidate(Path(args.source), Path(args.out), args.dtype, max_bytes, args.overwrite)
+
+
+def _consolidate(args) -> list[str]:
+    from megabam.convert.consolidate import consolidate
+
+    return consolidate(Path(args.source), Path(args.out), args.dtype, _max_bytes(args), args.overwrite)
+
+
+def _to_hf(args) -> list[str]:
+    from megabam.convert.hf_export import to_hf
+
+    return to_hf(Path(args.source), Path(args.out), args.dtype, _max_bytes(args), args.overwrite)

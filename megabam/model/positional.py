@@ -58,8 +58,18 @@ class AlibiPrior(nn.Module):
 
     def __init__(self, n_heads: int):
         super().__init__()
-        self.register_buffer("theta_alpha", alibi_slopes(n_heads).log(), persistent=False)
-        self.register_buffer("theta_beta", torch.ones(n_heads), persistent=False)
+        self.n_heads = n_heads
+        self.register_buffer("theta_alpha", torch.empty(n_heads), persistent=False)
+        self.register_buffer("theta_beta", torch.empty(n_heads), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Set the fixed slopes, which checkpoints do not hold (they follow from the head count): at
+        construction, and again where a model built on the meta device has its buffers materialised
+        (the Hugging Face export's loader, megabam/convert/hf/modeling_megabam.py)."""
+        with torch.no_grad():
+            self.theta_alpha.copy_(alibi_slopes(self.n_heads).log())
+            self.theta_beta.fill_(1.0)
 
     def forward(self) -> tuple[torch.Tensor, torch.Tensor, None]:
         return self.theta_alpha, self.theta_beta, None

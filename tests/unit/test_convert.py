@@ -202,6 +202,8 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, shar
         ),
         (["convert", "consolidate", str(missing), str(tmp_path / "o2")], "mp_rank_01_model_states.pt is missing"),
         (["convert", "consolidate", str(shared_run), str(exists)], "already exists (pass --overwrite"),
+        (["convert", "to-hf", str(shared_run), str(exists)], "already exists (pass --overwrite"),
+        (["convert", "to-hf", str(wrong), str(tmp_path / "o4")], "embed.weight has shape [512, 32]"),
         (["convert", "consolidate", str(shared_run), str(ckpt / "out")], "must lie outside the input"),
         (
             ["convert", "consolidate", str(shared_run), str(tmp_path / "o3"), "--max-shard-size", "lots"],

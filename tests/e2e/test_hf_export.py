@@ -1,0 +1,98 @@
+"""`megabam convert to-hf`: the folder loads with transformers alone in a fresh process (megabam's
+import blocked, tests/helpers/hf_load.py) — with the transformers of megabam's environment and with
+the newest 5.x release in a side environment of CPU torch and transformers only — and its logits,
+greedy generation and tokenizer equal megabam's own, for every positional scheme, SSMax, GQA, an
+untied head, SWA + mLSTM and SWA + Gated DeltaNet; a SWA + mLSTM model's generation cache does not
+grow with the context."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.checkpoints import write_run
+from helpers.hf_load import NEW, PROMPT, TEXT, token_ids
+from helpers.runs import REPO
+
+from megabam.cli import main
+from megabam.eval.generate import generate_greedy
+from megabam.eval.trained import load_trained
+
+TRANSFORMERS_5 = "5.24.0"  # the newest 5.x release when this test was written
+LOGITS_ATOL = 1e-5
+SWA = ["model.swa.window=16", "window.windows=[16]", "window.probabilities=[1.0]"]
+VARIANTS = {
+    "ggd_ssmax": [],
+    "alibi_ssmax": ["model.attention.positional=alibi"],
+    "rope_gqa_untied": [
+        "model.attention.positional=rope",
+        "model.attention.ssmax=false",
+        "model.n_heads=4",
+        "model.attention.kv_heads=2",
+        "model.tie_embeddings=false",
+    ],
+    "nope": ["model.attention.positional=nope", "model.attention.ssmax=false"],
+    "sinusoidal": ["model.attention.positional=sinusoidal", "model.attention.ssmax=false"],
+    "swax": ["model.layer_pattern=[swa,mlstm]", *SWA],
+    "deltanet": ["model.layer_pattern=[swa,gated_deltanet]", *SWA],
+}
+HELPER = REPO / "tests" / "helpers" / "hf_load.py"
+
+
+def side_python() -> Path:
+    """A venv with only CPU torch and transformers 5 (built once, kept in the user's cache)."""
+    cache = (
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megabam" / f"transformers-{TRANSFORMERS_5}"
+    )
+    python = cache / "bin" / "python"
+    if not (cache / "complete").is_file():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(cache)], check=True)
+        pins = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={TRANSFORMERS_5}"]
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *pins], check=True, timeout=1200)
+        (cache / "complete").write_text("")
+    return python
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    tokenizer = None
+    folders = {}
+    for name, overrides in VARIANTS.items():
+        run, _ = write_run(root / name, *overrides, tokenizer_from=tokenizer)
+        tokenizer = run / "tokenizer.model"
+        assert main(["convert", "to-hf", str(run), str(root / f"{name}-hf")]) == 0
+        folders[name] = (run, root / f"{name}-hf")
+    return root, folders
+
+
+@pytest.fixture(scope="module", params=["environment", "transformers-5"])
+def loaded(request, exports):
+    root, folders = exports
+    python = sys.executable if request.param == "environment" else str(side_python())
+    result = root / f"{request.param}.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1", PYTHONPATH="")
+    cmd = [python, str(HELPER), str(result), *(str(hf) for _, hf in folders.values())]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=900, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return folders, torch.load(result, weights_only=True)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_transformers_computes_what_megabam_computes(loaded, name):
+    folders, results = loaded
+    run, hf = folders[name]
+    got = results[str(hf)]
+    trained = load_trained(run)
+    ids = token_ids(trained.config.model.vocab_size)
+    with torch.no_grad():
+        assert (got["logits"] - trained.model(ids)).abs().max().item() < LOGITS_ATOL
+    assert got["generated"] == generate_greedy(trained.model, ids[0, :PROMPT].tolist(), NEW)
+    assert got["streamed"] == [PROMPT] + [1] * (NEW - 1)  # the prompt once, then one token per step
+    assert got["encoded"] == trained.tokenizer.encode(TEXT) and got["decoded"] == TEXT
+    if name == "swax":  # the SWA ring and the mLSTM state: the same size at 1k and 8k tokens of context
+        assert got["cache_bytes"][1024] == got["cache_bytes"][8192] > 0
+    if name == "ggd_ssmax":  # a full-attention KV cache grows with the context
+        assert got["cache_bytes"][8192] > 4 * got["cache_bytes"][1024]
