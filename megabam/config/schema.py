@@ -476,6 +476,11 @@ class TrainConfig:
         "Stop after this many consecutive steps whose loss or gradient norm is not finite (each is skipped); "
         "0 = never stop.",
     )
+    init_from: str | None = doc(
+        None,
+        "A consolidated folder (megabam convert consolidate / from-hf) whose weights start a new run; the "
+        "optimizer, schedule and data start fresh. Ignored when the run resumes from its own checkpoint.",
+    )
 
     def check(self, require: Require, key: str) -> None:
         at_least_one(

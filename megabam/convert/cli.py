@@ -1,5 +1,5 @@
-"""`megabam convert inspect|consolidate|to-hf`: read a checkpoint of any layout, write it as full
-tensors, or as a folder that transformers loads.
+"""`megabam convert inspect|consolidate|to-hf|from-hf`: read a checkpoint of any layout, write it as
+full tensors or as a folder that transformers loads, and bring such a folder back.
 
 Bad input (a path, a checkpoint that does not verify or does not fit its config, an output that
 exists) is one line on stderr and exit 2, before anything is written; the input is never modified.
@@ -40,15 +40,25 @@ def add_convert_parser(sub) -> None:
     hf.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the weights written")
     hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     hf.add_argument("--overwrite", action="store_true", help="replace OUT once the new folder is complete")
+    fh = tasks.add_parser(
+        "from-hf",
+        help="a megabam export back as a consolidated folder (train.init_from=OUT continues pretraining)",
+    )
+    fh.add_argument("source", help="the Hugging Face folder (written by megabam convert to-hf)")
+    fh.add_argument("out", help="output folder (must not exist, unless --overwrite)")
+    fh.add_argument("--overwrite", action="store_true", help="replace OUT once the new folder is complete")
 
 
 def run_convert(args) -> int:
+    from megabam.config import ConfigError
     from megabam.convert.output import OutputError
     from megabam.train.checkpoint import CheckpointError
 
     try:
-        lines = {"inspect": _inspect, "consolidate": _consolidate, "to-hf": _to_hf}[args.task](args)
-    except (CheckpointError, OutputError) as e:
+        lines = {"inspect": _inspect, "consolidate": _consolidate, "to-hf": _to_hf, "from-hf": _from_hf}[args.task](
+            args
+        )
+    except (CheckpointError, OutputError, ConfigError) as e:
         print(f"megabam: error: {e}", file=sys.stderr)
         return exit_codes.BAD_INPUT
     print("\n".join(lines))
@@ -82,3 +92,9 @@ def _to_hf(args) -> list[str]:
     from megabam.convert.hf_export import to_hf
 
     return to_hf(Path(args.source), Path(args.out), args.dtype, _max_bytes(args), args.overwrite)
+
+
+def _from_hf(args) -> list[str]:
+    from megabam.convert.hf_import import from_hf
+
+    return from_hf(Path(args.source), Path(args.out), args.overwrite)

@@ -10,6 +10,7 @@ Tensors are read, put together and written one at a time (megabam/convert/reader
 safetensors_out.py), so peak memory is about the largest tensor's full size times a small factor.
 """
 
+import dataclasses
 import json
 import shutil
 import time
@@ -23,7 +24,7 @@ from megabam.config import Config, ConfigError, load_config
 from megabam.config.loader import save_config
 from megabam.convert.output import check_output, output_folder
 from megabam.convert.reader import CheckpointReader
-from megabam.convert.safetensors_out import read_model, write_model
+from megabam.convert.safetensors_out import read_model, weight_files, write_model
 from megabam.model import Decoder
 from megabam.train.checkpoint import META_FILE, CheckpointError, CheckpointMeta
 
@@ -92,3 +93,53 @@ def read_consolidated(folder: Path) -> Consolidated:
     except (OSError, RuntimeError, KeyError, ValueError, SafetensorError) as e:
         raise CheckpointError(f"{folder}: weights do not fit its config.yaml ({str(e).splitlines()[0]})") from None
     return Consolidated(model, config, meta, folder / "tokenizer.model")
+
+
+# Keys of the model config that only set initial values (or choose kernels): a run may start from a
+# folder whose config differs in them.
+INIT_ONLY = {"kernels", "init_std", "ssmax_init", "init", "igate_bias_init", "fgate_bias_init"}
+
+
+def _differences(a, b, prefix: str = "model") -> list[str]:
+    out = []
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if dataclasses.is_dataclass(x):
+            out += _differences(x, y, f"{prefix}.{f.name}")
+        elif f.name not in INIT_ONLY and x != y:
+            out.append(f"{prefix}.{f.name} ({y!r} there, {x!r} here)")
+    return out
+
+
+def load_initial_weights(model: Decoder, model_config, folder: Path) -> CheckpointMeta:
+    """Copy the weights of consolidated folder `folder` into `model`, freshly built from `model_config`
+    (before any parallelism splits it), a tensor at a time; returns the folder's metadata. A folder of
+    another architecture is refused with the config keys that differ."""
+    if not is_consolidated(folder):
+        raise CheckpointError(f"{folder}: not a consolidated folder (no {MARKER}; see megabam convert consolidate)")
+    try:
+        theirs = load_config(folder / "config.yaml").model
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    differ = _differences(model_config, theirs)
+    if differ:
+        raise ConfigError("<train.init_from>", "train.init_from", f"{folder} has another model: {'; '.join(differ)}")
+    from safetensors import safe_open
+
+    files = weight_files(folder)
+    found = {}
+    for file in files:
+        with safe_open(folder / file, "pt") as f:
+            found.update({name: file for name in f.keys()})
+    state = model.state_dict()
+    if set(found) != set(state):
+        missing = sorted(set(state) - set(found)) or sorted(set(found) - set(state))
+        raise CheckpointError(f"{folder}: its tensors do not match the model's (first differing: {missing[0]})")
+    with torch.no_grad():
+        for name, target in state.items():
+            with safe_open(folder / found[name], "pt") as f:
+                value = f.get_tensor(name)
+            if value.shape != target.shape:
+                raise CheckpointError(f"{folder}: {name} has shape {list(value.shape)}, the model {list(target.shape)}")
+            target.copy_(value)
+    return CheckpointMeta.read(folder / META_FILE)

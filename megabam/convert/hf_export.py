@@ -6,7 +6,8 @@ and configuration code (megabam/convert/hf/) and, beside them, the megabam sourc
 from, copied with their imports made relative (the `bundle`: every module reachable from the Decoder
 by import statements, named megabam_<package>_<module>.py). So the export computes with megabam's own
 code, not a second copy of its formulas, and imports nothing from megabam. The tokenizer goes with
-it: the sentencepiece model, a prebuilt tokenizer.json (loads without sentencepiece) and its configs.
+it: the sentencepiece model, a prebuilt tokenizer.json (loads without sentencepiece) and its configs,
+and so do the run's megabam config and checkpoint metadata, for `from-hf`.
 """
 
 import ast
@@ -17,12 +18,16 @@ from pathlib import Path
 
 import torch
 
+from megabam.config.loader import save_config
 from megabam.convert.consolidate import DTYPES
 from megabam.convert.output import check_output, output_folder
 from megabam.convert.reader import CheckpointReader
 from megabam.convert.safetensors_out import write_model
+from megabam.train.checkpoint import META_FILE
 
 PACKAGE = Path(__file__).resolve().parents[1]  # megabam/
+CONFIG_FILE = "megabam_config.yaml"  # the resolved megabam config of the run exported
+EXPORT_MARKER = "megabam_export.json"
 HF_FILES = Path(__file__).with_name("hf")
 ROOT_MODULE = "megabam.model.transformer"
 PREFIX = "model."  # MegabamForCausalLM.model is the Decoder
@@ -170,9 +175,10 @@ def to_hf(
         )
         config.save_pretrained(tmp)
         write_tokenizer(tokenizer, tmp)
-        (tmp / "megabam_export.json").write_text(
-            json.dumps({"source": str(reader.path), "step": reader.meta.step, "tokens": reader.meta.tokens}, indent=1)
-        )
+        # What `from-hf` needs to turn the folder back into a megabam one (transformers ignores them).
+        save_config(reader.config, tmp / CONFIG_FILE)
+        (tmp / META_FILE).write_text(reader.meta.to_json())
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"source": str(reader.path), "step": reader.meta.step}, indent=1))
     params = sum(torch.Size(s).numel() for _, s in entries)
     return [
         f"exported {reader.path} (step {reader.meta.step}) for transformers",

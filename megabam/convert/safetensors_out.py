@@ -95,15 +95,18 @@ def write_model(
     return [*names, INDEX]
 
 
+def weight_files(folder: Path) -> list[str]:
+    """The safetensors files of a folder written by `write_model` (or by transformers' save_pretrained)."""
+    if (folder / INDEX).is_file():
+        return sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+    return [SINGLE]
+
+
 def read_model(folder: Path) -> dict[str, Tensor]:
     """Every tensor of a folder written by `write_model` (or by transformers' save_pretrained)."""
     from safetensors.torch import load_file
 
-    if (folder / INDEX).is_file():
-        files = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
-    else:
-        files = [SINGLE]
     state: dict[str, Tensor] = {}
-    for file in files:
+    for file in weight_files(folder):
         state.update(load_file(folder / file))
     return state

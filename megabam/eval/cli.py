@@ -20,7 +20,12 @@ def add_eval_parser(sub) -> None:
     tasks = ev.add_subparsers(dest="task", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("source", help="run directory (its newest verified checkpoint) or checkpoint directory")
+        p.add_argument(
+            "source",
+            nargs="?",
+            help="run directory (its newest verified checkpoint), checkpoint directory or consolidated folder",
+        )
+        p.add_argument("--hf", metavar="DIR", help="a megabam Hugging Face export (megabam convert to-hf) instead")
         p.add_argument("--out", help="directory for the JSON and PNG (default: RUN/eval)")
         p.add_argument("--device", default="cpu", help="torch device (default cpu)")
         p.add_argument(
@@ -210,10 +215,11 @@ def _load(args):
 
     from megabam.eval.trained import load_trained
 
+    _require((args.source is None) != (args.hf is None), "give a run, checkpoint or folder, or --hf DIR (one of them)")
     _require(args.chunk >= 1, f"--chunk must be at least 1, got {args.chunk}")
     if not torch.cuda.is_available():
         _require(not str(args.device).startswith("cuda"), f"--device {args.device}: no CUDA device on this machine")
-    trained = load_trained(args.source, args.device)
+    trained = load_trained(args.source or args.hf, args.device)
     out = Path(args.out) if args.out else trained.run_dir / "eval"
     return trained, out, trained.tag
 

@@ -1,6 +1,7 @@
 """A trained model for evaluation and plots, read from a run directory, one checkpoint directory of
 any parallel layout (megabam/convert/reader.py puts the full tensors together from the tensor and
-pipeline ranks' files), or a consolidated folder (`megabam convert consolidate`). A checkpoint's
+pipeline ranks' files), a consolidated folder (`megabam convert consolidate`) or a megabam Hugging
+Face export (`convert to-hf`). A checkpoint's
 manifest is verified first; weights are read with `weights_only=True` (plain tensors, nothing
 unpickled), and DeepSpeed is not imported.
 """
@@ -36,9 +37,10 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu") -> Traine
     """The model (eval mode, float32), tokenizer and config of a run directory's newest verified
     checkpoint, of the checkpoint directory `path`, or of the consolidated folder `path`."""
     from megabam.convert.consolidate import is_consolidated, read_consolidated
+    from megabam.convert.hf_import import is_export, read_export
 
-    if is_consolidated(Path(path)):
-        folder = read_consolidated(Path(path))
+    if is_consolidated(Path(path)) or is_export(Path(path)):
+        folder = read_consolidated(Path(path)) if is_consolidated(Path(path)) else read_export(Path(path))
         model, config, meta, tokenizer = folder.model, folder.config, folder.meta, folder.tokenizer
         checkpoint = run_dir = Path(path)
     else:

@@ -3,6 +3,7 @@
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -121,6 +122,10 @@ def build_engine(cfg: Config, topology: Topology) -> TrainingEngine:
     schedule, wrapped by `deepspeed.initialize` with ZeRO over the data-parallel group."""
     torch.manual_seed(cfg.run.seed)
     model = Decoder(cfg.model)
+    if cfg.train.init_from:  # a resumed run loads its own checkpoint over these afterwards
+        from megabam.convert.consolidate import load_initial_weights
+
+        load_initial_weights(model, cfg.model, Path(cfg.train.init_from))
     params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)
     parallel = parallelize(model, cfg, topology)
     engine, _, _, _ = deepspeed.initialize(

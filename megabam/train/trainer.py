@@ -155,6 +155,18 @@ def choose_run_directory(cfg: Config, fresh: bool, resume: bool, lock: bool) -> 
         raise
 
 
+def _check_init_tokenizer(folder: Path, tokenizer: Path) -> None:
+    """A run started from a folder's weights must read data tokenized as that model was trained."""
+    theirs = folder / "tokenizer.model"
+    if theirs.is_file() and theirs.read_bytes() != Path(tokenizer).read_bytes():
+        raise ConfigError(
+            "<train.init_from>",
+            "train.init_from",
+            f"{theirs} differs from the run's tokenizer {tokenizer}: prepare the data with the folder's tokenizer "
+            "(megabam data prepare --tokenizer) and set data.tokenizer to it",
+        )
+
+
 class Trainer:
     """One run of `megabam train` on this rank (every rank builds one; they step together)."""
 
@@ -169,7 +181,11 @@ class Trainer:
         self.tokenizer = Tokenizer(data.tokenizer_path)
         self.passkey_lengths = cfg.eval.passkey_lengths or [cfg.data.seq_len]
         _check_passkey_lengths(self.tokenizer, self.passkey_lengths if cfg.eval.passkey_samples else [])
+        if cfg.train.init_from and not resuming:
+            _check_init_tokenizer(Path(cfg.train.init_from), data.tokenizer_path)
         self.engine = build_engine(cfg, self.topology)
+        if cfg.train.init_from and not resuming:
+            log.info(f"weights from {cfg.train.init_from}; the optimizer, schedule and data start fresh")
         use_weights_only_loading(self.engine.deepspeed)
         # Tensor- and pipeline-parallel peers (consecutive ranks) read identical samples.
         loader = dict(

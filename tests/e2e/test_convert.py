@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from helpers.parallel_logits import token_ids
-from helpers.runs import ENV, REPO, megabam_train
+from helpers.runs import ENV, REPO, logged, megabam_train
 
 from megabam.cli import main
 from megabam.convert.consolidate import read_consolidated
@@ -48,3 +48,24 @@ def test_consolidated_model_gives_the_parallel_models_logits(tmp_path, data_cach
     expected = torch.load(reference, weights_only=True)
     assert logits.shape == expected.shape
     assert (logits - expected).abs().max().item() < LOGITS_ATOL
+
+
+def test_a_new_run_starts_from_a_consolidated_folder(tmp_path, data_cache):
+    """train.init_from: the new run computes with the folder's weights (its validation loss after one
+    step at a learning rate of 1e-12 is the source run's final one), optimizer and data fresh."""
+    megabam_train(tmp_path, data_cache, "run.name=source", "train.steps=3", "checkpoint.every=3")
+    assert main(["convert", "consolidate", str(tmp_path / "source"), str(tmp_path / "folder")]) == 0
+    result = megabam_train(
+        tmp_path,
+        data_cache,
+        "run.name=continued",
+        "train.steps=1",
+        "schedule.warmup_steps=0",
+        "optim.lr=1e-12",
+        f"train.init_from={tmp_path / 'folder'}",
+    )
+    assert "the optimizer, schedule and data start fresh" in result.stdout + result.stderr
+    source, continued = logged(tmp_path / "source", "val_loss"), logged(tmp_path / "continued", "val_loss")
+    assert continued[1] == pytest.approx(source[3], rel=1e-6)
+    fresh = megabam_train(tmp_path, data_cache, "run.name=fresh", "train.steps=1", "schedule.warmup_steps=0")
+    assert fresh.returncode == 0 and logged(tmp_path / "fresh", "val_loss")[1] != pytest.approx(source[3], rel=1e-3)

@@ -4,6 +4,7 @@ bit), the safetensors files against safetensors' own reader, `convert inspect`, 
 as one line, exit 2, with nothing written and the input unchanged. The e2e tests consolidate
 checkpoints that real parallel training wrote (tests/e2e/test_convert.py)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -12,13 +13,13 @@ from helpers.checkpoints import shard_model, write_run
 from safetensors import safe_open
 
 from megabam.cli import main
-from megabam.config import load_config
-from megabam.convert.consolidate import read_consolidated
+from megabam.config import ConfigError, load_config
+from megabam.convert.consolidate import load_initial_weights, read_consolidated
 from megabam.convert.reader import CheckpointReader
 from megabam.convert.safetensors_out import INDEX, parse_size
 from megabam.model import Decoder
 from megabam.parallel.tensor_parallel import shard, tp_splits, unshard
-from megabam.train.checkpoint import _digest
+from megabam.train.checkpoint import CheckpointError, _digest
 
 SWA = ["model.swa.window=16", "window.windows=[16]", "window.probabilities=[1.0]"]
 VARIANTS = {
@@ -138,18 +139,19 @@ def test_inspect_lists_every_tensor_of_every_rank_file(tmp_path, capsys, tokeniz
     assert "tensor 2 × pipeline 1" in text and "blocks.0.mixer.qkv.weight" in text and "verified" in text
 
 
-def test_evaluation_reads_split_checkpoints_and_consolidated_folders(tmp_path, capsys, tokenizer_run):
+def test_evaluation_reads_split_checkpoints_consolidated_folders_and_exports(tmp_path, capsys, tokenizer_run):
     run, _ = write_run(tmp_path / "run", "parallel.tensor=2", tokenizer_from=tokenizer_run)
     assert main(["convert", "consolidate", str(run), str(tmp_path / "out")]) == 0
+    assert main(["convert", "to-hf", str(run), str(tmp_path / "hf")]) == 0
     capsys.readouterr()
     scores = []
-    for source in (run, tmp_path / "out"):
-        args = ["eval", "passkey", str(source), "--lengths", "300", "--depths", "0.5", "--trials", "3"]
+    for source in ([str(run)], [str(tmp_path / "out")], ["--hf", str(tmp_path / "hf")]):
+        args = ["eval", "passkey", *source, "--lengths", "300", "--depths", "0.5", "--trials", "3"]
         assert main([*args, "--out", str(tmp_path / "eval")]) == 0, capsys.readouterr().err
         result = json.loads((tmp_path / "eval" / "passkey-step_00000010.json").read_text())
         scores.append((result["retrieved"], result["key_token_accuracy"]))
         capsys.readouterr()
-    assert scores[0] == scores[1]
+    assert scores[0] == scores[1] == scores[2]
 
 
 def test_output_is_replaced_only_with_overwrite_and_only_once_complete(tmp_path, capsys, shared_run, monkeypatch):
@@ -204,6 +206,7 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, shar
         (["convert", "consolidate", str(shared_run), str(exists)], "already exists (pass --overwrite"),
         (["convert", "to-hf", str(shared_run), str(exists)], "already exists (pass --overwrite"),
         (["convert", "to-hf", str(wrong), str(tmp_path / "o4")], "embed.weight has shape [512, 32]"),
+        (["convert", "from-hf", str(shared_run), str(tmp_path / "o5")], "config.json: not readable"),
         (["convert", "consolidate", str(shared_run), str(ckpt / "out")], "must lie outside the input"),
         (
             ["convert", "consolidate", str(shared_run), str(tmp_path / "o3"), "--max-shard-size", "lots"],
@@ -218,6 +221,35 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, shar
     assert digests(shared_run) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "missing", "wrong"]
     assert list(exists.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["bam", "swax"])
+def test_from_hf_brings_an_export_back_bit_for_bit(tmp_path, name, tokenizer_run):
+    run, model = write_run(tmp_path / "run", *VARIANTS[name], "parallel.tensor=2", tokenizer_from=tokenizer_run)
+    assert main(["convert", "to-hf", str(run), str(tmp_path / "hf")]) == 0
+    before = digests(tmp_path / "hf")
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    assert digests(tmp_path / "hf") == before
+    back = read_consolidated(tmp_path / "back")
+    for key, value in model.state_dict().items():
+        assert torch.equal(back.model.state_dict()[key], value), key
+    assert back.meta.step == 10 and back.config == CheckpointReader(run).config
+
+
+def test_a_run_starts_only_from_weights_of_its_own_architecture(tmp_path, shared_run):
+    assert main(["convert", "consolidate", str(shared_run), str(tmp_path / "folder")]) == 0
+    source = read_consolidated(tmp_path / "folder")
+    cfg = source.config.model
+    # Keys that only set initial values may differ; the weights are the folder's.
+    other_init = dataclasses.replace(cfg, init_std=0.5)
+    fresh = Decoder(other_init)
+    load_initial_weights(fresh, other_init, tmp_path / "folder")
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in source.model.state_dict().items())
+    wider = dataclasses.replace(cfg, d_model=48)
+    with pytest.raises(ConfigError, match=r"model.d_model \(32 there, 48 here\)"):
+        load_initial_weights(Decoder(wider), wider, tmp_path / "folder")
+    with pytest.raises(CheckpointError, match="not a consolidated folder"):
+        load_initial_weights(Decoder(cfg), cfg, shared_run)
 
 
 def test_sizes_parse_as_hugging_face_writes_them():
