@@ -1,20 +1,24 @@
-"""`megabam convert from-hf DIR OUT`: a Hugging Face folder back as a megabam consolidated folder.
+"""`megabam convert from-hf DIR OUT`: a Hugging Face folder as a megabam consolidated folder.
 
 A megabam export (`to-hf`) comes back bit for bit: its weights under the Decoder's names, with the
-run's config and metadata it carries. OUT is a consolidated folder (megabam/convert/consolidate.py):
-`megabam train CONFIG train.init_from=OUT` continues pretraining from it (the optimizer, schedule and
-data start fresh; the optimizer state does not travel through an export), and `megabam eval` and
-`convert to-hf` read it as they read any consolidated folder.
+run's config and metadata it carries. transformers' LlamaForCausalLM comes in as RoPE attention
+layers with its grouped-query heads (the mapping is `_llama`'s). OUT is a consolidated folder
+(megabam/convert/consolidate.py): `megabam train CONFIG train.init_from=OUT` continues pretraining
+from it (the optimizer, schedule and data start fresh; the optimizer state does not travel through
+an export), and `megabam eval` and `convert to-hf` read it as they read any consolidated folder.
 """
 
+import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megabam.config import ConfigError, load_config
+from megabam.config import Config, ConfigError, load_config
 from megabam.config.loader import save_config
 from megabam.convert.consolidate import FORMAT, MARKER, Consolidated
 from megabam.convert.hf_export import CONFIG_FILE, PREFIX
@@ -24,67 +28,167 @@ from megabam.model import Decoder
 from megabam.train.checkpoint import META_FILE, CheckpointError, CheckpointMeta
 
 
-def from_hf(folder: Path, out: Path, overwrite: bool = False) -> list[str]:
-    from safetensors import SafetensorError, safe_open
+@dataclass
+class Source:
+    """What an importable folder gives: the megabam config, the Decoder's tensors by name (read one at a
+    time), the metadata to carry and the tokenizer (None when the folder has no sentencepiece model)."""
 
+    config: Config
+    fetch: Callable[[str], torch.Tensor]
+    meta: CheckpointMeta
+    tokenizer: Path | None
+    what: str
+
+
+def from_hf(folder: Path, out: Path, overwrite: bool = False) -> list[str]:
     start = time.perf_counter()
     try:
         hf_config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{folder / 'config.json'}: not readable as JSON ({e})") from None
     kind = hf_config.get("model_type") if isinstance(hf_config, dict) else None
-    if kind != "megabam":
-        raise CheckpointError(f"{folder / 'config.json'}: model_type {kind!r}; from-hf imports megabam exports")
-    try:
-        config = load_config(folder / CONFIG_FILE)
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
+    readers = {"megabam": _megabam_export, "llama": _llama}
+    if kind not in readers:
+        raise CheckpointError(
+            f"{folder / 'config.json'}: model_type {kind!r}; from-hf imports {', '.join(sorted(readers))} models"
+        )
     check_output(out, overwrite, folder)
+    source = readers[kind](folder, hf_config)
     with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in Decoder(config.model).state_dict().items()}
+        shapes = {name: tuple(t.shape) for name, t in Decoder(source.config.model).state_dict().items()}
+    for name, shape in shapes.items():  # every tensor there and of its shape before anything is written
+        found = tuple(source.fetch(name, shape_only=True))
+        if found != shape:
+            raise CheckpointError(f"{folder}: {name} would have shape {list(found)}, the model {list(shape)}")
+    dtype = source.fetch(next(iter(shapes))).dtype
+    with output_folder(out) as tmp:
+        files = write_model(tmp, list(shapes.items()), dtype, source.fetch, 5 * 10**9)
+        save_config(source.config, tmp / "config.yaml")
+        if source.tokenizer is not None:
+            shutil.copyfile(source.tokenizer, tmp / "tokenizer.model")
+        (tmp / META_FILE).write_text(source.meta.to_json())
+        marker = {"format": FORMAT, "version": 1, "source": str(folder), "step": source.meta.step}
+        marker |= {"dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))}
+        marker |= {"imported_from": kind, "weights": files}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+    lines = [
+        f"imported {folder} ({source.what}) into {out} in {time.perf_counter() - start:.1f} s",
+        f"continue pretraining: megabam train CONFIG train.init_from={out} (the optimizer starts fresh)",
+    ]
+    if source.tokenizer is None:
+        lines.append("no tokenizer.model there: prepare the data with the model's own tokenizer (data.tokenizer)")
+    return lines
+
+
+def _tensors(folder: Path) -> Callable:
+    """get(key, shape_only=False) over a folder's safetensors files (each opened per read)."""
+    from safetensors import SafetensorError, safe_open
+
     where: dict[str, str] = {}
     try:
         for file in weight_files(folder):
             with safe_open(folder / file, "pt") as f:
-                for key in f.keys():
-                    where[key] = file
-                    name = key.removeprefix(PREFIX)
-                    if name not in shapes:
-                        raise CheckpointError(f"{folder / file}: holds {key}, which the config's model has not")
-                    if tuple(f.get_slice(key).get_shape()) != shapes[name]:
-                        raise CheckpointError(
-                            f"{folder / file}: {key} has shape {f.get_slice(key).get_shape()}, "
-                            f"the config's model {list(shapes[name])}"
-                        )
+                where.update({key: file for key in f.keys()})
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"{folder}: weights not readable ({str(e).splitlines()[0]})") from None
-    missing = sorted(set(shapes) - {k.removeprefix(PREFIX) for k in where})
-    if missing:
-        raise CheckpointError(f"{folder}: has no tensor {PREFIX}{missing[0]} (the config's model has it)")
-    with safe_open(folder / next(iter(where.values())), "pt") as f:
-        dtype = f.get_tensor(next(iter(where))).dtype
 
-    def fetch(name: str) -> torch.Tensor:
-        with safe_open(folder / where[PREFIX + name], "pt") as f:
-            return f.get_tensor(PREFIX + name)
+    def get(key: str, shape_only: bool = False):
+        if key not in where:
+            raise CheckpointError(f"{folder}: has no tensor {key}")
+        with safe_open(folder / where[key], "pt") as f:
+            return f.get_slice(key).get_shape() if shape_only else f.get_tensor(key)
 
+    return get
+
+
+def _megabam_export(folder: Path, hf_config: dict) -> Source:
+    try:
+        config = load_config(folder / CONFIG_FILE)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    get = _tensors(folder)
     meta = CheckpointMeta.read(folder / META_FILE)
-    with output_folder(out) as tmp:
-        files = write_model(tmp, list(shapes.items()), dtype, fetch, 5 * 10**9)
-        save_config(config, tmp / "config.yaml")
-        shutil.copyfile(folder / "tokenizer.model", tmp / "tokenizer.model")
-        (tmp / META_FILE).write_text(meta.to_json())
-        marker = {"format": FORMAT, "version": 1, "source": str(folder), "step": meta.step}
-        marker |= {
-            "dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype],
-            "imported_from": "hf",
-            "weights": files,
-        }
-        (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-    return [
-        f"imported {folder} (megabam export of step {meta.step}) into {out} in {time.perf_counter() - start:.1f} s",
-        f"continue pretraining: megabam train CONFIG train.init_from={out} (the optimizer starts fresh)",
+    fetch = lambda name, shape_only=False: get(PREFIX + name, shape_only)  # noqa: E731
+    return Source(config, fetch, meta, folder / "tokenizer.model", f"megabam export of step {meta.step}")
+
+
+def _llama(folder: Path, c: dict) -> Source:
+    """LlamaForCausalLM as megabam RoPE attention layers (grouped-query heads kept, no SSMax, no prior).
+
+    transformers' Llama rotates the halves (x[k], x[k + D/2]) of each head; megabam rotates the pairs
+    (x[2k], x[2k+1]) with the same frequencies. So each q and k head's rows are interleaved
+    (megabam row 2k = Llama row k, row 2k+1 = row k + D/2); q·k is unchanged, v and the rest map as
+    they are, [q | k | v] and [gate | up] fused."""
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or d // heads
+    refusals = [
+        (head_dim != d // heads, f"head_dim {head_dim} is not hidden_size / num_attention_heads"),
+        (bool(c.get("attention_bias")), "attention_bias is set (megabam's projections have none)"),
+        (bool(c.get("mlp_bias")), "mlp_bias is set (megabam's MLP has none)"),
+        (c.get("rope_scaling") is not None, f"rope_scaling {c.get('rope_scaling')!r} (megabam has plain RoPE)"),
+        (c.get("hidden_act", "silu") != "silu", f"hidden_act {c.get('hidden_act')!r} (megabam's MLP is SwiGLU)"),
     ]
+    for refused, why in refusals:
+        if refused:
+            raise CheckpointError(f"{folder / 'config.json'}: {why}")
+    rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    overrides = [
+        f"model.vocab_size={c['vocab_size']}",
+        f"model.d_model={d}",
+        f"model.n_layers={c['num_hidden_layers']}",
+        f"model.n_heads={heads}",
+        f"model.attention.kv_heads={kv}",
+        "model.layer_pattern=[attention]",
+        "model.attention.positional=rope",
+        "model.attention.ssmax=false",
+        f"model.attention.rope_theta={rope_theta}",
+        f"model.ffn_hidden={c['intermediate_size']}",
+        f"model.norm_eps={c.get('rms_norm_eps', 1e-6)}",
+        f"model.tie_embeddings={str(bool(c.get('tie_word_embeddings', False))).lower()}",
+    ]
+    try:
+        config = load_config(None, overrides)
+    except ConfigError as e:
+        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+    get = _tensors(folder)
+    # megabam row 2k + j (j = 0, 1) of a head is Llama row k + j·D/2
+    interleave = torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)
+
+    def rope_rows(w: torch.Tensor, n: int) -> torch.Tensor:
+        return w.view(n, head_dim, -1)[:, interleave].reshape(n * head_dim, -1)
+
+    def fetch(name: str, shape_only: bool = False):
+        if shape_only:  # every source tensor is read once more when written; here only the shapes matter
+            return fetch(name).shape
+        parts = name.split(".")
+        if name == "embed.weight":
+            return get("model.embed_tokens.weight")
+        if name == "norm.weight":
+            return get("model.norm.weight")
+        if name == "lm_head.weight":
+            return get("lm_head.weight")
+        i, rest = parts[1], ".".join(parts[2:])
+        layer = f"model.layers.{i}."
+        if rest == "mixer_norm.weight":
+            return get(layer + "input_layernorm.weight")
+        if rest == "mlp_norm.weight":
+            return get(layer + "post_attention_layernorm.weight")
+        if rest == "mixer.qkv.weight":
+            q = rope_rows(get(layer + "self_attn.q_proj.weight"), heads)
+            k = rope_rows(get(layer + "self_attn.k_proj.weight"), kv)
+            return torch.cat([q, k, get(layer + "self_attn.v_proj.weight")])
+        if rest == "mixer.out.weight":
+            return get(layer + "self_attn.o_proj.weight")
+        if rest == "mlp.gate_up.weight":
+            return torch.cat([get(layer + "mlp.gate_proj.weight"), get(layer + "mlp.up_proj.weight")])
+        if rest == "mlp.down.weight":
+            return get(layer + "mlp.down_proj.weight")
+        raise CheckpointError(f"{folder}: no Llama tensor maps to {name}")
+
+    meta = CheckpointMeta(0, 0, 0, {}, dataclasses.asdict(config), 0, "tokenizer.model", None, None)
+    tokenizer = folder / "tokenizer.model" if (folder / "tokenizer.model").is_file() else None
+    return Source(config, fetch, meta, tokenizer, f"LlamaForCausalLM, {c['num_hidden_layers']} layers")
 
 
 def is_export(folder: Path) -> bool:

@@ -236,6 +236,39 @@ def test_from_hf_brings_an_export_back_bit_for_bit(tmp_path, name, tokenizer_run
     assert back.meta.step == 10 and back.config == CheckpointReader(run).config
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_transformers_llama_imports_with_its_logits(tmp_path, tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query heads
+        intermediate_size=128,
+        initializer_range=0.1,
+        rms_norm_eps=1e-6,
+        rope_theta=500.0,
+        tie_word_embeddings=tied,
+    )
+    llama = LlamaForCausalLM(config).eval()
+    llama.save_pretrained(tmp_path / "llama")
+    assert main(["convert", "from-hf", str(tmp_path / "llama"), str(tmp_path / "out")]) == 0
+    imported = read_consolidated(tmp_path / "out")
+    assert imported.config.model.attention.kv_heads == 2 and imported.config.model.tie_embeddings == tied
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = llama(ids).logits
+        assert (imported.model.eval()(ids) - expected).abs().max().item() < 1e-5
+    # What megabam cannot express exactly is refused, naming it.
+    config.rope_scaling = {"rope_type": "linear", "factor": 2.0}
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "scaled")
+    assert main(["convert", "from-hf", str(tmp_path / "scaled"), str(tmp_path / "o")]) == 2
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_run_starts_only_from_weights_of_its_own_architecture(tmp_path, shared_run):
     assert main(["convert", "consolidate", str(shared_run), str(tmp_path / "folder")]) == 0
     source = read_consolidated(tmp_path / "folder")
