@@ -295,48 +295,49 @@ def bam_attention(
     )
 
 
-def dense_bam_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, **options) -> Tensor:
+def dense_bam_attention(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, in_order: bool = False, **options
+) -> Tensor:
     """The op's attention (same prior, SSMax and masks, one document) of queries at stream positions
-    q_pos (C,) to keys at k_pos (S,), densely: C × S logits, for the few queries of streaming
-    inference against a KV cache. k_pos -1 marks an empty cache slot. q (B, H, C, D), k, v
-    (B, H_kv, S, D); computed in the compute dtype, returned in q's dtype. No gradients of its own:
-    inference only. `options` are `dense_bam_weights`'."""
+    q_pos (C,) to keys at k_pos (S,), for streaming inference against a KV cache. k_pos -1 marks an
+    empty cache slot. q (B, H, C, D), k, v (B, H_kv, S, D); computed in the compute dtype, returned in
+    q's dtype. No gradients of its own: inference only. `options` are `dense_bam_weights`'.
+
+    `in_order`: the caller's promise that the keys are positions 0..S-1 and the queries the last C of
+    them, without a window (a prompt read in chunks against a growing KV cache). Then the queries are
+    computed block by block with the tiled op's `block_logits` (the prior a Toeplitz view, R + C - 1
+    values per head) instead of as C × S dense logits."""
     if v.shape[1] != k.shape[1]:
         raise ValueError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
     group = q.shape[1] // k.shape[1]
-    if options.get("window") is None and _consecutive(q_pos) and _consecutive(k_pos):
-        return _in_order(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), q_pos, k_pos, options)
+    v = v.repeat_interleave(group, 1)
+    if in_order:
+        if options.get("window") is not None:
+            raise ValueError("in_order attention has no window (a window's keys are a ring, not in order)")
+        return _in_order(q, k.repeat_interleave(group, 1), v, dense_params(q, k, **options))
     probs = dense_bam_weights(q, k, q_pos, k_pos, **options)
-    return (probs @ v.to(probs.dtype).repeat_interleave(group, 1)).to(q.dtype)
+    return (probs @ v.to(probs.dtype)).to(q.dtype)
 
 
-def _in_order(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, options: dict, block: int = 128) -> Tensor:
-    """dense_bam_attention when queries and keys are in order and there is no window (a prompt read
-    in chunks): the tiled op's forward from query q_pos[0] on, block by block, each block against
-    the keys up to its last row, with the prior a Toeplitz view (R + C - 1 values per head, not R·C)."""
+def _in_order(q: Tensor, k: Tensor, v: Tensor, p: BamParams, block: int = 128) -> Tensor:
+    """dense_bam_attention of the last C of S in-order positions, block by block, each block against
+    the keys up to its last row."""
     dtype = compute_dtype(q)
-    thetas = [options.get(name) for name in ("theta_alpha", "theta_beta", "theta_mu", "ssmax_s")]
-    scale = options.get("scale")
-    p = bam_params(
-        dtype, thetas, options.get("ssmax_before_prior", False), q.shape[-1] ** -0.5 if scale is None else scale
-    )
     qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
-    q0, k0 = int(q_pos[0]), int(k_pos[0])
+    q0 = k.shape[2] - q.shape[2]
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=dtype, device=q.device)
-    lo = torch.full((1, block), k0, dtype=torch.long, device=q.device)  # one document from position k0
+    lo = torch.zeros((1, block), dtype=torch.long, device=q.device)  # one document from position 0
     for r in range(0, q.shape[2], block):
         rows = min(block, q.shape[2] - r)
-        keys = q0 + r + rows - k0  # the keys up to this block's last row
-        logits = block_logits(qc[:, :, r : r + rows], kc[:, :, :keys], q0 + r, k0, lo[:, :rows], p)[0]
+        keys = q0 + r + rows  # the keys up to this block's last row
+        logits = block_logits(qc[:, :, r : r + rows], kc[:, :, :keys], q0 + r, 0, lo[:, :rows], p)[0]
         out[:, :, r : r + rows] = torch.softmax(logits, -1) @ vc[:, :, :keys]
     return out.to(q.dtype)
 
 
-def dense_bam_weights(
+def dense_params(
     q: Tensor,
     k: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
     *,
     theta_alpha: Tensor | None = None,
     theta_beta: Tensor | None = None,
@@ -345,19 +346,26 @@ def dense_bam_weights(
     ssmax_before_prior: bool = False,
     window: int | None = None,
     scale: float | None = None,
-) -> Tensor:
-    """The attention probabilities (B, H, C, S) of `dense_bam_attention`, in the compute dtype (also
-    what `megabam plot attention` draws)."""
+) -> BamParams:
+    """The checked options of dense_bam_attention / dense_bam_weights as the op's parameters."""
     check_arguments(q, k, k, theta_alpha, theta_beta, theta_mu, window)
-    dtype = compute_dtype(q)
-    group = q.shape[1] // k.shape[1]  # each key/value head serves `group` query heads
-    qc, kc = q.to(dtype), k.to(dtype).repeat_interleave(group, 1)
-    p = bam_params(
-        dtype,
+    return bam_params(
+        compute_dtype(q),
         (theta_alpha, theta_beta, theta_mu, ssmax_s),
         ssmax_before_prior,
         q.shape[-1] ** -0.5 if scale is None else float(scale),
     )
+
+
+def dense_bam_weights(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, **options) -> Tensor:
+    """The attention probabilities (B, H, C, S) of `dense_bam_attention`, in the compute dtype (also
+    what `megabam plot attention` draws). `options`: theta_alpha, theta_beta, theta_mu, ssmax_s,
+    ssmax_before_prior, window, scale, as for bam_attention."""
+    p = dense_params(q, k, **options)
+    window = options.get("window")
+    dtype = compute_dtype(q)
+    group = q.shape[1] // k.shape[1]  # each key/value head serves `group` query heads
+    qc, kc = q.to(dtype), k.to(dtype).repeat_interleave(group, 1)
     # A stream is one document from position 0, so a row's first key is set by the window alone.
     lo = q_pos.new_zeros(q_pos.shape) if window is None else (q_pos - window + 1).clamp(min=0)
     delta = k_pos[None, :] - q_pos[:, None]  # j - i, (C, S)
@@ -367,9 +375,3 @@ def dense_bam_weights(
     if p.alpha is not None:
         add_prior(logits, prior_terms(p, delta.flatten())[0].view(-1, *delta.shape), log_n, p)
     return torch.softmax(logits.masked_fill(~allowed, -math.inf), dim=-1)
-
-
-def _consecutive(pos: Tensor) -> bool:
-    return pos.numel() > 0 and bool(
-        (pos == torch.arange(int(pos[0]), int(pos[0]) + pos.numel(), device=pos.device)).all()
-    )

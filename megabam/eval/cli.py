@@ -84,7 +84,13 @@ def add_repro_parser(sub) -> None:
 
 
 def run_repro(args) -> int:
-    return _guarded(lambda: _repro(args))
+    from megabam.eval.repro import ArmFailed
+
+    try:
+        return _guarded(lambda: _repro(args))
+    except ArmFailed as e:  # not bad input: the run's own log says why; finished arms are kept
+        print(f"megabam: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _repro(args) -> list[str]:

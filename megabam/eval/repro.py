@@ -21,6 +21,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+class ArmFailed(RuntimeError):
+    """One arm's `megabam train` exited with an error; the message names the run and its log."""
+
+
 @dataclass(frozen=True)
 class Study:
     config: str  # relative to the repository
@@ -83,7 +87,7 @@ def train_run(study: Study, arm: str, seed: int, out: Path, overrides: list[str]
         f.flush()
         code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=os.environ.copy()).returncode
     if code != 0:
-        raise RuntimeError(f"training {run_name(arm, seed)} failed (exit {code}); its output is in {log}")
+        raise ArmFailed(f"training {run_name(arm, seed)} failed (exit {code}); its output is in {log}")
 
 
 def evaluate_run(run_dir: Path, multiples: list[int], depths: list[float], trials: int, niah: bool) -> dict:

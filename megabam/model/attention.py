@@ -163,8 +163,16 @@ class Attention(nn.Module):
             cache = KVCache(empty, empty, torch.full((slots,), -1, dtype=torch.long, device=x.device), 0)
         new_pos = torch.arange(start, start + C, device=x.device)
         keys, values = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+        # Without a window the cache holds every earlier position in order, so the chunk is computed
+        # in order (block by block); a window's ring is read densely.
         y = dense_bam_attention(
-            q, keys, values, new_pos, torch.cat([cache.positions, new_pos]), **self._head_options(seq)
+            q,
+            keys,
+            values,
+            new_pos,
+            torch.cat([cache.positions, new_pos]),
+            in_order=window is None,
+            **self._head_options(seq),
         )
         if window is None:
             cache = KVCache(keys, values, torch.cat([cache.positions, new_pos]), start + C)

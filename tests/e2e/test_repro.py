@@ -45,3 +45,14 @@ def test_repro_refuses_unknown_arms_in_one_line(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=120)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "unknown arm(s) xpos" in result.stderr
+
+
+def test_an_arm_that_fails_to_train_is_one_line_naming_its_log(tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    cmd = [sys.executable, "-m", "megabam.cli", "repro", "bam", *SMALL, f"data.cache_dir={blocker}"]
+    cmd += ["--arms", "alibi", "--seeds", "0", "--steps", "2", "--out", str(tmp_path / "repro")]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert "training alibi-seed0 failed (exit 2)" in line and str(tmp_path / "repro" / "train.log") in line
