@@ -133,6 +133,9 @@ class MLstmConfig:
     chunk_size: int = doc(64, "Time steps per chunk of the chunkwise (training) form; cost grows as N·chunk_size.")
     gate_soft_cap: float = doc(15.0, "Input/forget gate pre-activations are soft-capped to cap·tanh(x/cap).")
     eps: float = doc(1e-6, "Added to the denominator max(|q·n|, exp(-m)) of the cell output.")
+    head_norm: Literal["rms", "layer"] = doc(
+        "rms", "Per-head norm of the cell output: RMS norm, or mean-centred layer norm (xLSTM-7B's)."
+    )
     igate_bias_init: float = doc(-10.0, "Initial input-gate bias of every head.")
     fgate_bias_init: list[float] = doc(
         [3.0, 6.0],

@@ -24,7 +24,8 @@ from megabam.model.sharding import TensorParallelPlan
 
 class MLstm(nn.Module):
     """q, k projected to d/2 and v to d, split into heads; per-head scalar input and forget gates
-    (soft-capped); the cell; per-head RMS norm; output gate σ(o) ⊙ h; output projection.
+    (soft-capped); the cell; per-head RMS norm (or layer norm, mlstm.head_norm); output gate σ(o) ⊙ h;
+    output projection.
 
     Per-head tensors (gate weights (H, d) and biases (H,), the head-major norm weight (H·d_v,)) keep
     the head dimension first so tensor parallelism can shard them by heads.
@@ -36,6 +37,7 @@ class MLstm(nn.Module):
         n_heads = c.n_heads or cfg.n_heads
         self.qk_dim, self.v_dim = d // 2 // n_heads, d // n_heads
         self.chunk_size, self.soft_cap, self.eps, self.norm_eps = c.chunk_size, c.gate_soft_cap, c.eps, cfg.norm_eps
+        self.centred = c.head_norm == "layer"
         self.backend = cfg.kernels
         # Where x enters the six projections that read it: the identity here; tensor parallelism makes
         # it the one collective they share (the plan's entry).
@@ -87,6 +89,8 @@ class MLstm(nn.Module):
 
     def _output(self, x: Tensor, h: Tensor) -> Tensor:
         B, N, _ = x.shape
+        if self.centred:  # a layer norm without bias is the RMS norm of the mean-centred vector
+            h = h - h.mean(-1, keepdim=True)
         h = head_rms_norm(h, self.norm_weight, self.norm_eps).transpose(1, 2).reshape(B, N, -1)
         return self.out(torch.sigmoid(self.ogate(x)) * h)
 

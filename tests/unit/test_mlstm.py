@@ -133,3 +133,18 @@ def test_layer_chunkwise_equals_token_by_token_and_trains():
     torch.testing.assert_close(layer(x, SequenceInfo()), y)
     y.pow(2).sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("head_norm", ["rms", "layer"])
+def test_head_norm_is_rms_or_mean_centred_layer_norm_per_head(head_norm):
+    layer = _layer(head_norm=head_norm)
+    with torch.no_grad():
+        layer.norm_weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    h = torch.randn(2, 3, 5, 8, dtype=torch.float64) * 2 + 1.5  # cell outputs of 3 heads, mean far from 0
+    mean = h.mean(-1, keepdim=True) if head_norm == "layer" else 0.0
+    centred = h - mean
+    normed = centred / torch.sqrt((centred**2).mean(-1, keepdim=True) + layer.norm_eps)
+    normed = normed * layer.norm_weight.view(3, 1, 8)
+    expected = layer.out(torch.sigmoid(layer.ogate(x)) * normed.transpose(1, 2).reshape(2, 5, 24))
+    assert torch.allclose(layer._output(x, h), expected, atol=1e-12)
