@@ -13,7 +13,7 @@ from megabam import exit_codes
 
 
 def add_convert_parser(sub) -> None:
-    cv = sub.add_parser("convert", help="inspect or consolidate a checkpoint")
+    cv = sub.add_parser("convert", help="inspect, consolidate or export a checkpoint; import a Hugging Face model")
     tasks = cv.add_subparsers(dest="task", required=True)
     ins = tasks.add_parser("inspect", help="step, config, layout and every tensor of a checkpoint")
     ins.add_argument("source", help="checkpoint directory, or run directory (its newest verified checkpoint)")
@@ -24,29 +24,31 @@ def add_convert_parser(sub) -> None:
         description="Write OUT: the one-process model's weights in safetensors (sharded with an index past "
         "--max-shard-size), config.yaml, tokenizer.model, megabam.json and consolidated.json. Weights only.",
     )
-    co.add_argument("source", help="checkpoint directory, or run directory (its newest verified checkpoint)")
-    co.add_argument("out", help="output folder (must not exist, unless --overwrite)")
-    co.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the weights written")
-    co.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    co.add_argument("--overwrite", action="store_true", help="replace OUT once the new folder is complete")
+    _writer_arguments(co)
     hf = tasks.add_parser(
         "to-hf",
         help="a folder transformers loads (AutoModelForCausalLM, trust_remote_code) with only torch installed",
         description="Write OUT: config.json with auto_map, safetensors weights, the modeling code with the megabam "
         "model sources it needs, the tokenizer (sentencepiece model, tokenizer.json and configs).",
     )
-    hf.add_argument("source", help="checkpoint directory, or run directory (its newest verified checkpoint)")
-    hf.add_argument("out", help="output folder (must not exist, unless --overwrite)")
-    hf.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the weights written")
-    hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    hf.add_argument("--overwrite", action="store_true", help="replace OUT once the new folder is complete")
+    _writer_arguments(hf)
     fh = tasks.add_parser(
         "from-hf",
-        help="a megabam export back as a consolidated folder (train.init_from=OUT continues pretraining)",
+        help="a megabam export or a transformers Llama as a consolidated folder (train.init_from=OUT continues "
+        "pretraining)",
     )
-    fh.add_argument("source", help="the Hugging Face folder (written by megabam convert to-hf)")
+    fh.add_argument("source", help="the Hugging Face folder (megabam convert to-hf's, or a LlamaForCausalLM's)")
     fh.add_argument("out", help="output folder (must not exist, unless --overwrite)")
     fh.add_argument("--overwrite", action="store_true", help="replace OUT once the new folder is complete")
+
+
+def _writer_arguments(p) -> None:
+    """What consolidate and to-hf both take: the checkpoint, the output and how the weights are written."""
+    p.add_argument("source", help="checkpoint directory, or run directory (its newest verified checkpoint)")
+    p.add_argument("out", help="output folder (must not exist, unless --overwrite)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the weights written")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT once the new folder is complete")
 
 
 def run_convert(args) -> int:
