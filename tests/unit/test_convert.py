@@ -2,7 +2,7 @@
 does, consolidation of hand-written sharded checkpoints against the model that was sharded (bit for
 bit), the safetensors files against safetensors' own reader, `convert inspect`, and every bad input
 as one line, exit 2, with nothing written and the input unchanged. The e2e tests consolidate
-checkpoints that real parallel training wrote (tests/e2e/test_convert.py)."""
+checkpoints that real parallel training wrote (tests/e2e/test_convert_parallel.py)."""
 
 import dataclasses
 import json
