@@ -1,9 +1,8 @@
 """A trained model for evaluation and plots, read from a run directory, one checkpoint directory of
 any parallel layout (megabam/convert/reader.py puts the full tensors together from the tensor and
 pipeline ranks' files), a consolidated folder (`megabam convert consolidate`) or a megabam Hugging
-Face export (`convert to-hf`). A checkpoint's
-manifest is verified first; weights are read with `weights_only=True` (plain tensors, nothing
-unpickled), and DeepSpeed is not imported.
+Face export (`convert to-hf`). A checkpoint's manifest is verified first; weights are read with
+`weights_only=True` (plain tensors, nothing unpickled), and DeepSpeed is not imported.
 """
 
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from megabam.config import Config
 from megabam.convert.reader import CheckpointReader
 from megabam.data.tokenizer import Tokenizer
 from megabam.model import Decoder
-from megabam.train.checkpoint import CheckpointMeta, tag_for
+from megabam.train.checkpoint import CheckpointError, CheckpointMeta, tag_for
 
 
 @dataclass
@@ -43,6 +42,8 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu") -> Traine
         folder = read_consolidated(Path(path)) if is_consolidated(Path(path)) else read_export(Path(path))
         model, config, meta, tokenizer = folder.model, folder.config, folder.meta, folder.tokenizer
         checkpoint = run_dir = Path(path)
+        if not tokenizer.is_file():  # a model imported without one (from-hf of a bare Llama)
+            raise CheckpointError(f"{path}: has no tokenizer.model, which evaluation needs")
     else:
         reader = CheckpointReader(path)
         config, meta, checkpoint, run_dir = reader.config, reader.meta, reader.path, reader.run_dir

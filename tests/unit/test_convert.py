@@ -262,6 +262,8 @@ def test_a_transformers_llama_imports_with_its_logits(tmp_path, tied):
     with torch.no_grad():
         expected = llama(ids).logits
         assert (imported.model.eval()(ids) - expected).abs().max().item() < 1e-5
+    # Without a tokenizer it imports, but evaluation says what it lacks.
+    assert main(["eval", "passkey", str(tmp_path / "out")]) == 2
     # What megabam cannot express exactly is refused, naming it.
     config.rope_scaling = {"rope_type": "linear", "factor": 2.0}
     LlamaForCausalLM(config).save_pretrained(tmp_path / "scaled")
