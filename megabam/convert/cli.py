@@ -1,5 +1,5 @@
-"""`megabam convert inspect|consolidate|to-hf|from-hf`: read a checkpoint of any layout, write it as
-full tensors or as a folder that transformers loads, and bring such a folder back.
+"""`megabam convert inspect|consolidate|reshard|to-hf|from-hf`: read a checkpoint of any layout, write
+it as full tensors, at another layout, or as a folder that transformers loads, and bring such a folder back.
 
 Bad input (a path, a checkpoint that does not verify or does not fit its config, an output that
 exists) is one line on stderr and exit 2, before anything is written; the input is never modified.
@@ -32,6 +32,23 @@ def add_convert_parser(sub) -> None:
         "model sources it needs, the tokenizer (sentencepiece model, tokenizer.json and configs).",
     )
     _writer_arguments(hf)
+    rs = tasks.add_parser(
+        "reshard",
+        help="a checkpoint re-split for another tensor × pipeline × data layout, optimizer state and all",
+        description="Write OUT: a run directory (config.yaml at the new layout, tokenizer, metrics, one checkpoint) "
+        "that `megabam train OUT/config.yaml` resumes on TP·PP·DP ranks: weights, fp32 master weights, Adam "
+        "moments and step, schedule, data position, window sampler and RNG. A --dp change keeps the global batch "
+        "(train.grad_accum scaled), so the data order is kept. Runs TP·PP·DP local CPU processes.",
+    )
+    rs.add_argument("source", help="checkpoint directory, or run directory (its newest verified checkpoint)")
+    rs.add_argument("out", help="output run directory (must not exist, unless --overwrite)")
+    rs.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+    rs.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
+    rs.add_argument("--dp", type=int, help="data-parallel size (default: the checkpoint's)")
+    rs.add_argument(
+        "--zero-stage", type=int, choices=[1, 2], help="ZeRO stage of the new layout (default: the checkpoint's)"
+    )
+    rs.add_argument("--overwrite", action="store_true", help="replace OUT once the new run directory is complete")
     fh = tasks.add_parser(
         "from-hf",
         help="a megabam export or a transformers Llama as a consolidated folder (train.init_from=OUT continues "
@@ -57,9 +74,13 @@ def run_convert(args) -> int:
     from megabam.train.checkpoint import CheckpointError
 
     try:
-        lines = {"inspect": _inspect, "consolidate": _consolidate, "to-hf": _to_hf, "from-hf": _from_hf}[args.task](
-            args
-        )
+        lines = {
+            "inspect": _inspect,
+            "consolidate": _consolidate,
+            "reshard": _reshard,
+            "to-hf": _to_hf,
+            "from-hf": _from_hf,
+        }[args.task](args)
     except (CheckpointError, OutputError, ConfigError) as e:
         print(f"megabam: error: {e}", file=sys.stderr)
         return exit_codes.BAD_INPUT
@@ -88,6 +109,12 @@ def _consolidate(args) -> list[str]:
     from megabam.convert.consolidate import consolidate
 
     return consolidate(Path(args.source), Path(args.out), args.dtype, _max_bytes(args), args.overwrite)
+
+
+def _reshard(args) -> list[str]:
+    from megabam.convert.reshard import reshard
+
+    return reshard(Path(args.source), Path(args.out), args.tp, args.pp, args.dp, args.zero_stage, args.overwrite)
 
 
 def _to_hf(args) -> list[str]:

@@ -111,3 +111,21 @@ def extension_build_lock(folder: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _local_rank_entry(rank: int, world: int, port: int, fn, args) -> None:
+    os.environ.update(rank_environment(rank, world, port), DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    init_distributed()
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local_world(world: int, fn, *args) -> None:
+    """Run fn(*args) on `world` fresh gloo processes on this machine's CPU, joined as the trainer joins
+    (for conversions that need a layout's engine). The first rank to fail stops the others and raises
+    torch.multiprocessing's ProcessRaisedException (its traceback) or ProcessExitedException here."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_local_rank_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn")

@@ -29,10 +29,8 @@ from torch import Tensor, nn
 
 from megabam.model.attention import SequenceInfo
 from megabam.model.transformer import Block, Decoder, VocabOutput
-from megabam.parallel.pipeline_layers import TIED_HEAD, pipeline_layers
+from megabam.parallel.pipeline_layers import EMBEDDING_KEY, TIED_HEAD, pipeline_layers
 from megabam.parallel.topology import Topology
-
-EMBEDDING_KEY = "embedding"
 
 
 @dataclass

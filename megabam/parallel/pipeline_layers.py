@@ -6,6 +6,7 @@ files through the same list, without importing DeepSpeed.
 """
 
 TIED_HEAD = "tied head"  # the last stage's use of the tied embedding: DeepSpeed saves no file for it
+EMBEDDING_KEY = "embedding"  # the TiedLayerSpec key of the tied embedding: its stages name it tied_modules.embedding.*
 
 
 def pipeline_layers(n_blocks: int, tied: bool) -> list[str]:
@@ -25,3 +26,18 @@ def locate(name: str, layers: list[str]) -> tuple[int, str]:
         if name.startswith(prefix + "."):
             return index, ("block" + name[len(prefix) :]) if prefix.startswith("blocks.") else name
     raise KeyError(f"{name} belongs to no pipeline layer")
+
+
+def decoder_name(stage_name: str, layers: list[str] | None) -> str:
+    """The Decoder's name of a parameter as a stage module names it (DeepSpeed's optimizer files use
+    these): `i.<key>` is layer i's tensor `key` (the inverse of `locate`), `tied_modules.embedding.*`
+    the tied embedding on either stage that holds it. Without a pipeline (`layers` None) the names are
+    the Decoder's already."""
+    if layers is None:
+        return stage_name
+    tied = f"tied_modules.{EMBEDDING_KEY}."
+    if stage_name.startswith(tied):
+        return stage_name[len(tied) :]
+    index, key = stage_name.split(".", 1)
+    prefix = layers[int(index)]
+    return prefix + key[len("block") :] if prefix.startswith("blocks.") else key

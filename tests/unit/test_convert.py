@@ -18,6 +18,7 @@ from megabam.convert.consolidate import load_initial_weights, read_consolidated
 from megabam.convert.reader import CheckpointReader
 from megabam.convert.safetensors_out import INDEX, parse_size
 from megabam.model import Decoder
+from megabam.parallel.pipeline_layers import EMBEDDING_KEY, decoder_name, locate, pipeline_layers
 from megabam.parallel.tensor_parallel import shard, tp_splits, unshard
 from megabam.train.checkpoint import CheckpointError, _digest
 
@@ -61,6 +62,20 @@ def test_splits_read_from_the_plans_are_what_apply_tp_does(name):
     local = shard_model(full, 0, 2).state_dict()
     changed = {k for k in whole if local[k].shape != whole[k].shape}
     assert changed == set(splits) == split_seen
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_pipeline_stage_names_map_back_to_the_decoders(name):
+    """What a pipeline stage calls a tensor (layer index, then its key in the layer's file; the tied
+    embedding under tied_modules) is mapped back to the Decoder's name: the inverse of `locate`."""
+    model = model_of(VARIANTS[name])
+    layers = pipeline_layers(len(model.blocks), model.lm_head is None)
+    for key in model.state_dict():
+        layer, inner = locate(key, layers)
+        assert decoder_name(f"{layer}.{inner}", layers) == key
+    assert decoder_name("blocks.0.mixer.out.weight", None) == "blocks.0.mixer.out.weight"
+    if model.lm_head is None:
+        assert decoder_name(f"tied_modules.{EMBEDDING_KEY}.embed.weight", layers) == "embed.weight"
 
 
 @pytest.mark.parametrize("parts", [1, 2, [8, 4, 4]])
