@@ -96,3 +96,72 @@ def test_transformers_computes_what_megabam_computes(loaded, name):
         assert got["cache_bytes"][1024] == got["cache_bytes"][8192] > 0
     if name == "ggd_ssmax":  # a full-attention KV cache grows with the context
         assert got["cache_bytes"][8192] > 4 * got["cache_bytes"][1024]
+
+
+# Multiple-choice items lm-evaluation-harness scores by the log-likelihood of each choice after the
+# question (its target delimiter " " between them).
+ITEMS = [
+    {"question": "def add(a, b):\n    return", "choices": ["a + b", "print", "None"], "answer": 0},
+    {"question": "import", "choices": ["os", "))", "def"], "answer": 0},
+    {"question": "for i in", "choices": ["range(10):", "= 3", "import"], "answer": 0},
+    {"question": "class Point:\n    def __init__(self, x", "choices": ["):", ", y):", "= 1"], "answer": 1},
+]
+TASK = """task: megabam_local_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def megabam_loglikelihood(trained, context: str, continuation: str) -> float:
+    """log p(continuation | context) by megabam's own scoring (`token_losses`), the tokens split as the
+    harness splits them: the continuation's are those the whole text adds to the context's."""
+    from megabam.eval.generate import token_losses
+
+    context_ids = trained.tokenizer.encode(context)
+    whole = trained.tokenizer.encode(context + continuation)
+    assert whole[: len(context_ids)] == context_ids
+    losses = token_losses(trained.model, torch.tensor([whole]))
+    return -losses[len(context_ids) - 1 :].sum().item()
+
+
+def test_lm_evaluation_harness_scores_an_export_as_megabam_does(exports, tmp_path):
+    """`lm_eval --model hf --model_args pretrained=OUT,trust_remote_code=True` on a local task file:
+    every choice's log-likelihood equals megabam's own scoring of it, and so does the accuracy."""
+    import json
+
+    _, folders = exports
+    run, hf = folders["ggd_ssmax"]
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "megabam_local_mc.yaml").write_text(TASK.format(items=items))
+    cmd = [str(Path(sys.executable).with_name("lm_eval")), "--model", "hf"]
+    cmd += ["--model_args", f"pretrained={hf},trust_remote_code=True", "--tasks", "megabam_local_mc"]
+    cmd += ["--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "1"]
+    cmd += ["--output_path", str(tmp_path / "out"), "--log_samples"]
+    env = dict(os.environ, OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH="")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (results,) = (tmp_path / "out").rglob("results_*.json")
+    (samples,) = (tmp_path / "out").rglob("samples_megabam_local_mc_*.jsonl")
+    rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
+    assert len(rows) == len(ITEMS)
+
+    trained = load_trained(run)
+    correct = 0
+    for item, row in zip(ITEMS, rows):
+        theirs = [float(resp[0][0]) for resp in row["resps"]]
+        ours = [megabam_loglikelihood(trained, item["question"], " " + choice) for choice in item["choices"]]
+        assert theirs == pytest.approx(ours, abs=1e-4)
+        correct += max(range(len(ours)), key=ours.__getitem__) == item["answer"]
+    accuracy = json.loads(results.read_text())["results"]["megabam_local_mc"]["acc,none"]
+    assert accuracy == pytest.approx(correct / len(ITEMS))
