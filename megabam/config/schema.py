@@ -178,6 +178,11 @@ class ModelConfig:
     )
     tie_embeddings: bool = doc(True, "Share the input embedding and the output projection.")
     norm_eps: float = doc(1e-5, "RMSNorm epsilon.")
+    logit_soft_cap: float | None = doc(
+        None,
+        "Output logits soft-capped to cap·tanh(z/cap) (xLSTM-7B: 30); null = none. A capped model's loss "
+        "computes its logits whole rather than in the fused chunks of linear_cross_entropy.",
+    )
     init_std: float = doc(0.02, "Standard deviation of weight initialisation.")
     attention: AttentionConfig = doc(AttentionConfig, "Full attention mixer (`attention`) settings.")
     swa: SlidingWindowConfig = doc(SlidingWindowConfig, "Sliding-window attention mixer (`swa`) settings.")
@@ -200,6 +205,11 @@ class ModelConfig:
         return period * (self.n_layers // len(period))
 
     def check(self, require: Require, key: str) -> None:
+        require(
+            self.logit_soft_cap is None or self.logit_soft_cap > 0,
+            f"{key}.logit_soft_cap",
+            f"must be positive or null, got {self.logit_soft_cap}",
+        )
         """The model's own rules; the mixer sections are checked where the pattern uses them (the
         attention section always)."""
         at_least_one(

@@ -2,7 +2,8 @@
 
 A megabam export (`to-hf`) comes back bit for bit: its weights under the Decoder's names, with the
 run's config and metadata it carries. transformers' LlamaForCausalLM comes in as RoPE attention
-layers with its grouped-query heads (the mapping is `_llama`'s). OUT is a consolidated folder
+layers with its grouped-query heads (the mapping is `_llama`'s), xLSTMForCausalLM as mLSTM layers
+(`_xlstm`'s). OUT is a consolidated folder
 (megabam/convert/consolidate.py): `megabam train CONFIG train.init_from=OUT` continues pretraining
 from it (the optimizer, schedule and data start fresh; the optimizer state does not travel through
 an export), and `megabam eval` and `convert to-hf` read it as they read any consolidated folder.
@@ -47,7 +48,7 @@ def from_hf(folder: Path, out: Path, overwrite: bool = False) -> list[str]:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{folder / 'config.json'}: not readable as JSON ({e})") from None
     kind = hf_config.get("model_type") if isinstance(hf_config, dict) else None
-    readers = {"megabam": _megabam_export, "llama": _llama}
+    readers = {"megabam": _megabam_export, "llama": _llama, "xlstm": _xlstm}
     if kind not in readers:
         raise CheckpointError(
             f"{folder / 'config.json'}: model_type {kind!r}; from-hf imports {', '.join(sorted(readers))} models"
@@ -99,6 +100,13 @@ def _tensors(folder: Path) -> Callable:
             return f.get_slice(key).get_shape() if shape_only else f.get_tensor(key)
 
     return get
+
+
+def _fused(parts: list, shape_only: bool):
+    """Tensors stacked along their rows into one of megabam's fused weights, or the shape it would have."""
+    if shape_only:
+        return (sum(p[0] for p in parts), *parts[0][1:])
+    return torch.cat(parts)
 
 
 def _megabam_export(folder: Path, hf_config: dict) -> Source:
@@ -159,36 +167,112 @@ def _llama(folder: Path, c: dict) -> Source:
         return w.view(n, head_dim, -1)[:, interleave].reshape(n * head_dim, -1)
 
     def fetch(name: str, shape_only: bool = False):
-        if shape_only:  # every source tensor is read once more when written; here only the shapes matter
-            return fetch(name).shape
+        """The Decoder's tensor `name` (or, shape_only, its shape: nothing read but the headers)."""
+        read = lambda key: get(key, shape_only)  # noqa: E731
+        rotated = (lambda w, n: w) if shape_only else rope_rows  # the rotation keeps the shape
         parts = name.split(".")
         if name == "embed.weight":
-            return get("model.embed_tokens.weight")
+            return read("model.embed_tokens.weight")
         if name == "norm.weight":
-            return get("model.norm.weight")
+            return read("model.norm.weight")
         if name == "lm_head.weight":
-            return get("lm_head.weight")
+            return read("lm_head.weight")
         i, rest = parts[1], ".".join(parts[2:])
         layer = f"model.layers.{i}."
         if rest == "mixer_norm.weight":
-            return get(layer + "input_layernorm.weight")
+            return read(layer + "input_layernorm.weight")
         if rest == "mlp_norm.weight":
-            return get(layer + "post_attention_layernorm.weight")
+            return read(layer + "post_attention_layernorm.weight")
         if rest == "mixer.qkv.weight":
-            q = rope_rows(get(layer + "self_attn.q_proj.weight"), heads)
-            k = rope_rows(get(layer + "self_attn.k_proj.weight"), kv)
-            return torch.cat([q, k, get(layer + "self_attn.v_proj.weight")])
+            q = rotated(read(layer + "self_attn.q_proj.weight"), heads)
+            k = rotated(read(layer + "self_attn.k_proj.weight"), kv)
+            return _fused([q, k, read(layer + "self_attn.v_proj.weight")], shape_only)
         if rest == "mixer.out.weight":
-            return get(layer + "self_attn.o_proj.weight")
+            return read(layer + "self_attn.o_proj.weight")
         if rest == "mlp.gate_up.weight":
-            return torch.cat([get(layer + "mlp.gate_proj.weight"), get(layer + "mlp.up_proj.weight")])
+            return _fused([read(layer + "mlp.gate_proj.weight"), read(layer + "mlp.up_proj.weight")], shape_only)
         if rest == "mlp.down.weight":
-            return get(layer + "mlp.down_proj.weight")
+            return read(layer + "mlp.down_proj.weight")
         raise CheckpointError(f"{folder}: no Llama tensor maps to {name}")
 
     meta = CheckpointMeta(0, 0, 0, {}, dataclasses.asdict(config), 0, "tokenizer.model", None, None)
     tokenizer = folder / "tokenizer.model" if (folder / "tokenizer.model").is_file() else None
     return Source(config, fetch, meta, tokenizer, f"LlamaForCausalLM, {c['num_hidden_layers']} layers")
+
+
+def _xlstm(folder: Path, c: dict) -> Source:
+    """xLSTMForCausalLM (xLSTM-7B's form) as megabam mLSTM layers: q, k of d/2 and v of d, soft-capped
+    scalar gates with biases, the mean-centred per-head norm (model.mlstm.head_norm=layer), σ output
+    gate, SwiGLU feed-forward, RMS norms, soft-capped output logits. What megabam cannot express
+    exactly is refused, naming it."""
+    d, heads = c["hidden_size"], c["num_heads"]
+    layers = c.get("num_blocks") or c["num_hidden_layers"]
+    refusals = [
+        (c.get("qk_dim_factor", 0.5) != 0.5, f"qk_dim_factor {c.get('qk_dim_factor')} (megabam's q, k are d/2)"),
+        (c.get("v_dim_factor", 1.0) != 1.0, f"v_dim_factor {c.get('v_dim_factor')} (megabam's v is d)"),
+        (bool(c.get("use_bias")), "use_bias is set (megabam's projections and norms have none)"),
+        (not c.get("add_out_norm", True), "add_out_norm is false (megabam always has the final norm)"),
+        (c.get("embedding_dim", d) not in (None, d), f"embedding_dim {c.get('embedding_dim')} is not hidden_size"),
+        # transformers 5.24 cannot build a fused model (its weight init fails), so no import of one is tested
+        (c.get("weight_mode", "single") != "single", f"weight_mode {c.get('weight_mode')!r} (single is imported)"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise CheckpointError(f"{folder / 'config.json'}: {why}")
+    cap = c.get("output_logit_soft_cap")
+    get = _tensors(folder)
+    ffn = get("backbone.blocks.0.ffn.proj_down.weight", shape_only=True)[1]  # d·ffn_proj_factor, rounded up
+    overrides = [
+        f"model.vocab_size={c['vocab_size']}",
+        f"model.d_model={d}",
+        f"model.n_layers={layers}",
+        f"model.n_heads={heads}",
+        "model.layer_pattern=[mlstm]",
+        f"model.ffn_hidden={ffn}",
+        f"model.norm_eps={c.get('norm_eps', 1e-6)}",
+        f"model.tie_embeddings={str(bool(c.get('tie_word_embeddings', False))).lower()}",
+        f"model.logit_soft_cap={'null' if cap is None else cap}",
+        f"model.mlstm.gate_soft_cap={c.get('gate_soft_cap', 15.0)}",
+        f"model.mlstm.eps={c.get('eps', 1e-6)}",
+        "model.mlstm.head_norm=layer",
+    ]
+    try:
+        config = load_config(None, overrides)
+    except ConfigError as e:
+        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+    mixer = {  # megabam's name in an mLSTM layer → xLSTM's
+        "q.weight": "q.weight",
+        "k.weight": "k.weight",
+        "v.weight": "v.weight",
+        "ogate.weight": "ogate_preact.weight",
+        **{f"{g}gate.{p}": f"{g}gate_preact.{p}" for g in "if" for p in ("weight", "bias")},
+        "norm_weight": "multihead_norm.weight",
+        "out.weight": "out_proj.weight",
+    }
+
+    def fetch(name: str, shape_only: bool = False):
+        """The Decoder's tensor `name` (or, shape_only, its shape: nothing read but the headers)."""
+        read = lambda key: get(key, shape_only)  # noqa: E731
+        whole = {"embed.weight": "backbone.embeddings.weight", "norm.weight": "backbone.out_norm.weight"}
+        if name in whole or name == "lm_head.weight":
+            return read(whole.get(name, name))
+        parts = name.split(".")
+        block, rest = f"backbone.blocks.{parts[1]}.", ".".join(parts[2:])
+        if rest == "mixer_norm.weight":
+            return read(block + "norm_mlstm.weight")
+        if rest == "mlp_norm.weight":
+            return read(block + "norm_ffn.weight")
+        if rest == "mlp.gate_up.weight":
+            return _fused([read(block + "ffn.proj_up_gate.weight"), read(block + "ffn.proj_up.weight")], shape_only)
+        if rest == "mlp.down.weight":
+            return read(block + "ffn.proj_down.weight")
+        if rest.startswith("mixer.") and rest[len("mixer.") :] in mixer:
+            return read(block + "mlstm_layer." + mixer[rest[len("mixer.") :]])
+        raise CheckpointError(f"{folder}: no xLSTM tensor maps to {name}")
+
+    meta = CheckpointMeta(0, 0, 0, {}, dataclasses.asdict(config), 0, "tokenizer.model", None, None)
+    tokenizer = folder / "tokenizer.model" if (folder / "tokenizer.model").is_file() else None
+    return Source(config, fetch, meta, tokenizer, f"xLSTMForCausalLM, {layers} mLSTM layers")
 
 
 def is_export(folder: Path) -> bool:

@@ -30,8 +30,13 @@ class VocabOutput(nn.Module):
     computes the loss without gathering the logits. The steps are separate methods because a
     pipeline's last stage computes `local_logits` and DeepSpeed then calls `loss` on them; with the
     whole vocabulary on one rank, `hidden_loss` goes from h to the loss in chunks of tokens
-    (kernels/linear_cross_entropy.py) without holding all the logits.
+    (kernels/linear_cross_entropy.py) without holding all the logits. With `soft_cap` every logit is
+    cap·tanh(z/cap) (xLSTM-7B's output), and the loss takes the capped logits whole.
     """
+
+    def __init__(self, soft_cap: float | None = None):
+        super().__init__()
+        self.soft_cap = soft_cap
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
@@ -39,11 +44,18 @@ class VocabOutput(nn.Module):
         return self.hidden_loss(h, weight, labels)
 
     def hidden_loss(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.soft_cap is not None:
+            return self.loss(self.local_logits(h, weight), labels)
         return linear_cross_entropy(h, weight, labels)
+
+    def enter(self, h: torch.Tensor) -> torch.Tensor:
+        """The final hidden states as the head sees them."""
+        return h
 
     def local_logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The logits this rank computes (all of them here; a vocabulary shard under TP)."""
-        return F.linear(h, weight)
+        logits = F.linear(self.enter(h), weight)
+        return logits if self.soft_cap is None else self.soft_cap * torch.tanh(logits / self.soft_cap)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
@@ -92,7 +104,7 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, MIXERS[name](cfg, shared)) for name in self.layer_types)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.output = VocabOutput()
+        self.output = VocabOutput(cfg.logit_soft_cap)
         # Sinusoidal positions are added to the embeddings, so they serve every layer when any attention
         # section in use asks for them.
         self.sinusoidal = any(getattr(b.mixer, "positional", None) == "sinusoidal" for b in self.blocks)

@@ -116,7 +116,7 @@ def apply_sp(model: Decoder, topology: Topology) -> Decoder:
     g = topology.tp_group
     model.embed = SequenceParallelEmbedding(model.embed.weight.data, model.embed.vocab_start, g)
     model.positions = ShardedSinusoidalPositions(g)
-    model.output = SequenceParallelOutput(model.output.vocab_start, g)
+    model.output = SequenceParallelOutput(model.output.vocab_start, g, model.output.soft_cap)
     model.norm = SequenceParallelRMSNorm(model.norm, g)
     for block in model.blocks:
         # Only the norms between regions see shards; norms inside mixers see the gathered sequence.

@@ -221,8 +221,8 @@ class VocabParallelOutput(VocabOutput):
     """The vocab-parallel `VocabOutput`: logits of this rank's vocabulary rows; the loss from them
     without gathering; full logits (gathered) only when no labels are given (evaluation, inference)."""
 
-    def __init__(self, vocab_start: int, group):
-        super().__init__()
+    def __init__(self, vocab_start: int, group, soft_cap: float | None):
+        super().__init__(soft_cap)
         self.vocab_start = vocab_start
         self.group = group
 
@@ -233,9 +233,6 @@ class VocabParallelOutput(VocabOutput):
 
     def hidden_loss(self, h: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
         return self.loss(self.local_logits(h, weight), labels)  # the vocab-parallel loss, never gathered
-
-    def local_logits(self, h: Tensor, weight: Tensor) -> Tensor:
-        return F.linear(self.enter(h), weight)
 
     def full_logits(self, logits: Tensor) -> Tensor:
         return gather_from_tensor_region(logits, self.group)
@@ -319,7 +316,7 @@ def apply_tp(model: Decoder, topology: Topology) -> Decoder:
         head = nn.Linear(model.lm_head.in_features, vocab // k, bias=False, device="meta")
         head.weight = sharded_parameter(shard(model.lm_head.weight, 0, r, k))
         model.lm_head = head
-    model.output = VocabParallelOutput(vocab_start, topology.tp_group)
+    model.output = VocabParallelOutput(vocab_start, topology.tp_group, model.output.soft_cap)
     sharded: set[int] = set()
     for block in model.blocks:
         for module in (block.mixer, block.mlp):

@@ -5,6 +5,7 @@ greedy generation and tokenizer equal megabam's own, for every positional scheme
 untied head, SWA + mLSTM and SWA + Gated DeltaNet; a SWA + mLSTM model's generation cache does not
 grow with the context."""
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from helpers.hf_load import NEW, PROMPT, TEXT, token_ids
 from helpers.runs import REPO
 
 from megabam.cli import main
+from megabam.convert.consolidate import read_consolidated
 from megabam.eval.generate import generate_greedy
 from megabam.eval.trained import load_trained
 
@@ -136,7 +138,6 @@ def megabam_loglikelihood(trained, context: str, continuation: str) -> float:
 def test_lm_evaluation_harness_scores_an_export_as_megabam_does(exports, tmp_path):
     """`lm_eval --model hf --model_args pretrained=OUT,trust_remote_code=True` on a local task file:
     every choice's log-likelihood equals megabam's own scoring of it, and so does the accuracy."""
-    import json
 
     _, folders = exports
     run, hf = folders["ggd_ssmax"]
@@ -165,3 +166,34 @@ def test_lm_evaluation_harness_scores_an_export_as_megabam_does(exports, tmp_pat
         correct += max(range(len(ours)), key=ours.__getitem__) == item["answer"]
     accuracy = json.loads(results.read_text())["results"]["megabam_local_mc"]["acc,none"]
     assert accuracy == pytest.approx(correct / len(ITEMS))
+
+
+def test_a_transformers_xlstm_imports_with_its_logits(tmp_path, capsys):
+    """A random xLSTMForCausalLM (xLSTM-7B's form: q, k of d/2, soft-capped gates and output logits,
+    mean-centred head norm) built and saved by transformers 5 — whose xLSTM runs on CPU; 4.57's fails
+    on its own models — imports with `from-hf` as mLSTM layers and computes its logits. A fused one
+    (which transformers 5.24 cannot build) and one megabam cannot express are refused, naming why."""
+    helper = REPO / "tests" / "helpers" / "xlstm_peer.py"
+    env = dict(os.environ, OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1", PYTHONPATH="")
+    done = subprocess.run([str(side_python()), str(helper), str(tmp_path)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    folder, out = tmp_path / "single", tmp_path / "imported"
+    assert main(["convert", "from-hf", str(folder), str(out)]) == 0
+    imported = read_consolidated(out)
+    cfg = imported.config.model
+    assert (cfg.layer_types(), cfg.mlstm.head_norm, cfg.logit_soft_cap) == (["mlstm"] * 2, "layer", 30.0)
+    expected = torch.load(folder / "logits.pt", weights_only=True)
+    with torch.no_grad():
+        logits = imported.model.eval()(expected["ids"])
+    assert (logits - expected["logits"]).abs().max().item() < LOGITS_ATOL
+
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in {"weight_mode": "fused", "qk_dim_factor": 1.0, "use_bias": True}.items():
+        (tmp_path / key).mkdir()
+        for f in folder.iterdir():
+            (tmp_path / key / f.name).write_bytes(f.read_bytes())
+        (tmp_path / key / "config.json").write_text(json.dumps(config | {key: value}))
+        capsys.readouterr()
+        assert main(["convert", "from-hf", str(tmp_path / key), str(tmp_path / f"{key}-out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and key in err and not (tmp_path / f"{key}-out").exists()

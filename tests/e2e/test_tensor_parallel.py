@@ -314,7 +314,13 @@ BAM_VARIANTS = [
 ]
 SWAX_VARIANTS = [  # SWAX ([SM]: SWA and mLSTM) and Gated DeltaNet beside full attention
     (
-        ["model.layer_pattern=[SM]", "model.mlstm.n_heads=2"],
+        # with xLSTM-7B's mean-centred head norm and soft-capped logits (the vocab-parallel loss takes them)
+        [
+            "model.layer_pattern=[SM]",
+            "model.mlstm.n_heads=2",
+            "model.mlstm.head_norm=layer",
+            "model.logit_soft_cap=3.0",
+        ],
         8,
         ("mixer.qkv.weight", "mixer.igate.bias", "mixer.fgate.bias", "mixer.norm_weight", "mlp.gate_up.weight"),
     ),

@@ -119,6 +119,26 @@ def test_sinusoidal_table_formula():
             assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+def test_soft_capped_logits_and_their_loss_match_float64_math():
+    """model.logit_soft_cap: every logit is cap·tanh(z/cap) of the uncapped model's z, and the loss (with
+    its gradient) is the cross-entropy of those, written out by hand (the loss itself runs in fp32)."""
+    capped, plain = _model("model.logit_soft_cap=2.5"), _model()
+    plain.load_state_dict(capped.state_dict())
+    ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels, z = ids.roll(-1, 1), plain(ids)
+    expected_logits = 2.5 * torch.tanh(z / 2.5)
+    assert torch.allclose(capped(ids), expected_logits, rtol=0, atol=1e-12)
+    log_p = expected_logits - expected_logits.exp().sum(-1, keepdim=True).log()
+    expected = -log_p.gather(-1, labels[..., None]).mean()
+    loss = capped(ids, labels)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    loss.backward()
+    expected.backward()
+    for (name, a), b in zip(capped.named_parameters(), plain.parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        assert a.grad is None or torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7), name
+
+
 def test_tied_and_untied_embeddings():
     tied, untied = _model(), _model("model.tie_embeddings=false")
     assert tied.lm_head is None and untied.lm_head is not None
