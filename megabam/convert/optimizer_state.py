@@ -23,6 +23,7 @@ from megabam.convert.reader import CheckpointReader, model_states_file
 from megabam.parallel.pipeline_layers import decoder_name
 from megabam.parallel.tensor_parallel import unshard
 from megabam.train.checkpoint import CheckpointError
+from megabam.train.optim import PLACEHOLDER
 from megabam.train.weights_only import WeightsOnlyCheckpointEngine
 
 ZERO_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -129,6 +130,8 @@ class OptimizerState:
             self.step = steps.pop()
             for g, mapping in enumerate(mappings):
                 for key, address in mapping.items():
+                    if key.startswith(PLACEHOLDER):  # a pipeline stage's empty-group stand-in (always 0)
+                        continue
                     name = decoder_name(key, reader.layers)
                     if name not in reader.shapes:
                         raise CheckpointError(f"{path / file}: state for {key}, which the config's model has not")

@@ -150,6 +150,7 @@ def write_rank(source: str, run_dir: str, raw: dict, tokenizer: str) -> None:
     from megabam.parallel.topology import build_topology
     from megabam.train import checkpoint, rng
     from megabam.train.engine import build_engine
+    from megabam.train.optim import PLACEHOLDER
 
     cfg = config_from_dict(raw, SOURCE)
     reader = CheckpointReader(source)
@@ -177,6 +178,8 @@ def write_rank(source: str, run_dir: str, raw: dict, tokenizer: str) -> None:
         adam.state[flat].update({kind: torch.zeros_like(flat) for kind in KINDS[1:]})
     with torch.no_grad():
         for key, param in ds.module.named_parameters():
+            if key.startswith(PLACEHOLDER):  # stays zero, as in training
+                continue
             name = decoder_name(key, new_layers)
             param.copy_(local(name, reader.tensor(name)))
             mapping = getattr(param, "_hp_mapping", None)  # None: no fragment in this rank's partition

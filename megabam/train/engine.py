@@ -14,7 +14,7 @@ from megabam.model import Decoder
 from megabam.parallel.parallelize import ParallelModel, parallelize
 from megabam.parallel.topology import Topology
 from megabam.train.logger import head_parameters
-from megabam.train.optim import build_optimizer, build_scheduler
+from megabam.train.optim import add_group_placeholders, build_optimizer, build_scheduler, group_of
 
 
 def deepspeed_config(cfg: Config) -> dict:
@@ -127,7 +127,10 @@ def build_engine(cfg: Config, topology: Topology) -> TrainingEngine:
 
         load_initial_weights(model, cfg.model, Path(cfg.train.init_from))
     params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)
+    groups = {group_of(name, p) for name, p in model.named_parameters() if p.requires_grad}
     parallel = parallelize(model, cfg, topology)
+    if topology.pp_size > 1:  # every stage must step the same parameter groups
+        add_group_placeholders(parallel.module, groups)
     engine, _, _, _ = deepspeed.initialize(
         model=parallel.module,
         optimizer=build_optimizer(parallel.module, cfg.optim),

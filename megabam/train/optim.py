@@ -19,18 +19,37 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
         "ssmax": {"params": [], "weight_decay": 0.0, "lr_mult": cfg.ssmax_lr_mult},
     }
     for name, p in model.named_parameters():  # shared parameters are listed once
-        if not p.requires_grad:
-            continue
-        if ".prior." in name:
-            key = "prior"
-        elif name.endswith("ssmax_s"):
-            key = "ssmax"
-        elif p.ndim >= 2:
-            key = "decay"
-        else:
-            key = "no_decay"
-        groups[key]["params"].append(p)
+        if p.requires_grad:
+            groups[group_of(name, p)]["params"].append(p)
     return [dict(g, name=k, lr=cfg.lr * g["lr_mult"]) for k, g in groups.items() if g["params"]]
+
+
+def group_of(name: str, p: nn.Parameter) -> str:
+    """The group of parameter `name`: a placeholder's own, else by name and shape."""
+    if hasattr(p, "optimizer_group"):
+        return p.optimizer_group
+    if ".prior." in name:
+        return "prior"
+    if name.endswith("ssmax_s"):
+        return "ssmax"
+    return "decay" if p.ndim >= 2 else "no_decay"
+
+
+PLACEHOLDER = "group_placeholder_"
+
+
+def add_group_placeholders(stage: nn.Module, groups: set[str]) -> None:
+    """Give pipeline stage `stage` a one-element zero parameter in each of the model's `groups` that it
+    has no parameter of. DeepSpeed drops empty groups, and its ZeRO optimizer all-reduces one gradient
+    norm per group over the model-parallel group, which spans the stages: stages with different
+    numbers of groups (an mLSTM-only stage has no prior or SSMax) would wait on each other for ever.
+    A placeholder gets no gradient (ZeRO counts it as zero), so it never moves, and no layer file holds
+    it (DeepSpeed saves a stage layer by layer)."""
+    mine = {group_of(name, p) for name, p in stage.named_parameters() if p.requires_grad}
+    for group in sorted(groups - mine):
+        placeholder = nn.Parameter(torch.zeros(1))
+        placeholder.optimizer_group = group
+        stage.register_parameter(PLACEHOLDER + group, placeholder)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:

@@ -1,5 +1,6 @@
 """`megabam convert reshard` on checkpoints that real parallel training wrote (DeepSpeed under torchrun,
-gloo): TP=2 (ZeRO-1) → TP=1 × PP=2, and DP=2 (ZeRO-2) → DP=1 (ZeRO-1). The resharded run resumed at the new
+gloo): TP=2 (ZeRO-1; BAM attention with grouped kv heads, then mLSTM) → TP=1 × PP=2, and DP=2 (ZeRO-2)
+→ DP=1 (ZeRO-1). The resharded run resumed at the new
 layout must give the losses of the original run continuing at its own, and the optimizer state that
 DeepSpeed loads from the new checkpoint must be the original's re-split (tests/helpers/optimizer_dump.py:
 both sides read by DeepSpeed itself, gathered over data-parallel ranks by its own API)."""
@@ -16,12 +17,17 @@ from megabam.cli import main
 from megabam.convert.reader import CheckpointReader
 from megabam.parallel.tensor_parallel import unshard
 
-# Measured: 3.1e-8 (TP=2 → TP=1 × PP=2) and 6.3e-8 (DP=2 → DP=1) relative, over steps 4-6; the same
+# Measured: 1.2e-7 (TP=2 → TP=1 × PP=2) and 6.3e-8 (DP=2 → DP=1) relative, over steps 4-6; the same
 # resume with the Adam moments left at zero is 6e-3 off at step 5.
 LOSS_RTOL = 1e-6
 
 CASES = {
-    "tp2_to_tp1pp2": (["parallel.tensor=2", "parallel.zero_stage=1"], ["--tp", "1", "--pp", "2"], 2),
+    # BAM attention (per-head θ, SSMax s) with 2 of 4 kv heads, then an mLSTM layer (per-head gates, head norm)
+    "tp2_to_tp1pp2": (
+        ["parallel.tensor=2", "parallel.zero_stage=1", "model.layer_pattern=[AM]", "model.attention.kv_heads=2"],
+        ["--tp", "1", "--pp", "2"],
+        2,
+    ),
     "dp2_to_dp1": (["parallel.zero_stage=2"], ["--tp", "1", "--pp", "1", "--dp", "1", "--zero-stage", "1"], 1),
 }
 

@@ -23,6 +23,7 @@ from megabam.parallel.pipeline_layers import decoder_name, pipeline_layers  # no
 from megabam.parallel.topology import build_topology  # noqa: E402
 from megabam.train import checkpoint  # noqa: E402
 from megabam.train.engine import build_engine  # noqa: E402
+from megabam.train.optim import PLACEHOLDER  # noqa: E402
 from megabam.train.weights_only import use_weights_only_loading  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def main(ckpt: Path, out: Path) -> None:
     layers = pipeline_layers(cfg.model.n_layers, cfg.model.tie_embeddings) if topology.pp_size > 1 else None
     mine = {}
     for key, param in ds.module.named_parameters():
-        if param.requires_grad:
+        if param.requires_grad and not key.startswith(PLACEHOLDER):
             state = {"fp32": safe_get_full_fp32_param(param)}
             state |= {kind: safe_get_full_optimizer_state(param, kind) for kind in ("exp_avg", "exp_avg_sq")}
             mine[f"{decoder_name(key, layers)}@{topology.tp_rank}"] = {k: v.detach().clone() for k, v in state.items()}
