@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from megabam.convert.reader import CheckpointReader, model_states_file
+from megabam.convert.reader import CheckpointReader, load_weights_file, model_states_file
 from megabam.parallel.pipeline_layers import decoder_name
 from megabam.parallel.tensor_parallel import unshard
 from megabam.train.checkpoint import CheckpointError
@@ -35,15 +35,8 @@ def zero_file(dp: int, mp: int, bf16: bool) -> str:
 
 
 def load_data_file(path: Path) -> dict:
-    """A DeepSpeed file, memory-mapped, as tensors and plain data (nothing else unpickled)."""
-    try:
-        with torch.serialization.safe_globals(WeightsOnlyCheckpointEngine.DATA_CLASSES):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"{path}: not readable ({str(e).splitlines()[0][:200]})") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: expected a dict, got {type(state).__name__}")
-    return state
+    """A DeepSpeed optimizer file, memory-mapped (its three data classes allowed by name)."""
+    return load_weights_file(path, WeightsOnlyCheckpointEngine.DATA_CLASSES)
 
 
 @dataclass(frozen=True)

@@ -64,10 +64,12 @@ def find_checkpoint(path: Path) -> Path:
     raise CheckpointError(f"{path}: no checkpoint verifies ({' | '.join(skipped)})")
 
 
-def load_weights_file(path: Path) -> dict:
-    """A DeepSpeed weights file, memory-mapped, as plain tensors (nothing unpickled)."""
+def load_weights_file(path: Path, data_classes: list | tuple = ()) -> dict:
+    """A DeepSpeed file, memory-mapped, as plain tensors and data (nothing unpickled but the
+    `data_classes` allowed by name)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with torch.serialization.safe_globals(list(data_classes)):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (OSError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"{path}: not readable as weights ({str(e).splitlines()[0]})") from None
     if not isinstance(state, dict):

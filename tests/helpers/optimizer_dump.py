@@ -16,26 +16,15 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from parallel_logits import loaded_engine  # noqa: E402  (beside this script)
 
-from megabam.config.loader import config_from_dict  # noqa: E402
-from megabam.parallel.distributed import init_distributed  # noqa: E402
 from megabam.parallel.pipeline_layers import decoder_name, pipeline_layers  # noqa: E402
-from megabam.parallel.topology import build_topology  # noqa: E402
-from megabam.train import checkpoint  # noqa: E402
-from megabam.train.engine import build_engine  # noqa: E402
 from megabam.train.optim import PLACEHOLDER  # noqa: E402
-from megabam.train.weights_only import use_weights_only_loading  # noqa: E402
 
 
 def main(ckpt: Path, out: Path) -> None:
-    init_distributed()
-    meta = checkpoint.CheckpointMeta.read(ckpt / checkpoint.META_FILE)
-    cfg = config_from_dict(meta.config, str(ckpt))
-    topology = build_topology(cfg.parallel.tensor, cfg.parallel.pipeline)
-    engine = build_engine(cfg, topology)
+    cfg, topology, engine = loaded_engine(ckpt)
     ds = engine.deepspeed
-    use_weights_only_loading(ds)
-    checkpoint.load(ds, ckpt.parent.parent, ckpt.name)
     ds.optimizer._lazy_init_hp_params_optimizer_state()  # DeepSpeed links the moments at the first step
     layers = pipeline_layers(cfg.model.n_layers, cfg.model.tie_embeddings) if topology.pp_size > 1 else None
     mine = {}

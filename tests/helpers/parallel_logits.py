@@ -21,6 +21,7 @@ from megabam.parallel.distributed import init_distributed  # noqa: E402
 from megabam.parallel.topology import build_topology  # noqa: E402
 from megabam.train import checkpoint  # noqa: E402
 from megabam.train.engine import build_engine  # noqa: E402
+from megabam.train.weights_only import use_weights_only_loading  # noqa: E402
 
 BATCH, LENGTH, SEED = 2, 48, 5
 
@@ -29,14 +30,22 @@ def token_ids(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, LENGTH), generator=torch.Generator().manual_seed(SEED))
 
 
-@torch.no_grad()
-def main(ckpt: Path, out: Path) -> None:
+def loaded_engine(ckpt: Path):
+    """(config, topology, engine) of checkpoint `ckpt` on this rank: built as the trainer builds it,
+    then loaded by DeepSpeed through the trainer's checkpoint.load."""
     init_distributed()
     meta = checkpoint.CheckpointMeta.read(ckpt / checkpoint.META_FILE)
     cfg = config_from_dict(meta.config, str(ckpt))
     topology = build_topology(cfg.parallel.tensor, cfg.parallel.pipeline)
     engine = build_engine(cfg, topology)
+    use_weights_only_loading(engine.deepspeed)
     checkpoint.load(engine.deepspeed, ckpt.parent.parent, ckpt.name)
+    return cfg, topology, engine
+
+
+@torch.no_grad()
+def main(ckpt: Path, out: Path) -> None:
+    cfg, topology, engine = loaded_engine(ckpt)
     module = engine.deepspeed.module
     module.eval()
     ids = token_ids(cfg.model.vocab_size)
