@@ -205,13 +205,13 @@ class ModelConfig:
         return period * (self.n_layers // len(period))
 
     def check(self, require: Require, key: str) -> None:
+        """The model's own rules; the mixer sections are checked where the pattern uses them (the
+        attention section always)."""
         require(
             self.logit_soft_cap is None or self.logit_soft_cap > 0,
             f"{key}.logit_soft_cap",
             f"must be positive or null, got {self.logit_soft_cap}",
         )
-        """The model's own rules; the mixer sections are checked where the pattern uses them (the
-        attention section always)."""
         at_least_one(
             require,
             [

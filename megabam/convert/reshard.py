@@ -101,7 +101,9 @@ def reshard(
     with output_folder(out) as tmp:
         save_config(config_from_dict(raw, SOURCE), tmp / "config.yaml")
         shutil.copyfile(tokenizer, tmp / "tokenizer.model")
-        _copy_metrics(reader.run_dir / "metrics.jsonl", tmp / "metrics.jsonl", reader.meta.step)
+        metrics = reader.run_dir / "metrics.jsonl"
+        if metrics.is_file():  # the resumed run drops its rows past the checkpoint (and any cut short)
+            shutil.copyfile(metrics, tmp / "metrics.jsonl")
         _run_ranks(world, str(reader.path), str(tmp), raw, str(out / "tokenizer.model"))
         written = list_tags(tmp)
         if not written:
@@ -133,14 +135,6 @@ def _run_ranks(world: int, *args) -> None:
         raise CheckpointError(
             f"writing the resharded checkpoint failed: rank {e.error_index} exited ({e.exit_code})"
         ) from None
-
-
-def _copy_metrics(src: Path, dst: Path, step: int) -> None:
-    """The source run's metrics up to the checkpoint (the resumed run appends to them)."""
-    if not src.is_file():
-        return
-    rows = [line for line in src.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    dst.write_text("".join(line + "\n" for line in rows))
 
 
 def write_rank(source: str, run_dir: str, raw: dict, tokenizer: str) -> None:
