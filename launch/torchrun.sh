@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# One node, NPROC processes of `megabam train` under torchrun (gloo on CPU, nccl on GPU).
+# NPROC processes of `megabam train` on this node under torchrun (gloo on CPU, nccl on GPU).
 # Usage: launch/torchrun.sh NPROC CONFIG [key.sub=value ...] [--resume]
+#
+# One node: a private rendezvous on a free local port (--standalone), so several jobs share a node.
+# Several nodes (launch/slurm.sbatch runs this once per node): MEGABAM_NNODES, MEGABAM_RDZV_ENDPOINT
+# (host:port, the same on every node) and MEGABAM_RDZV_ID give torchrun a c10d rendezvous; the node's
+# rank comes from the rendezvous, never from a variable expanded on another host. MEGABAM_LOG_DIR: one
+# log file per rank there (console lines prefixed by the local rank).
 #
 # Exit code: the ranks' common one — 0 done, 2 bad input, 3 bad steps, 75 preempted (requeue) —
 # where torchrun itself would say 1 for any failure. SIGTERM / SIGUSR1 to this script go to every
-# rank (which checkpoint and exit 75), not to torchrun (which would kill them 30 s later). Ranks die
-# with torchrun: they ask the kernel for SIGKILL when their parent dies (megabam/cli.py).
+# rank (which checkpoint and exit 75), not to torchrun (which would kill them 30 s later, or die). Ranks
+# die with torchrun: they ask the kernel for SIGKILL when their parent dies (megabam/cli.py).
 set -uo pipefail
 nproc=${1:?usage: launch/torchrun.sh NPROC CONFIG [key.sub=value ...] [--resume]}
 shift
@@ -20,8 +26,18 @@ if [[ -z ${OMP_NUM_THREADS:-} ]]; then
   export OMP_NUM_THREADS
 fi
 
-# --standalone: a private rendezvous on a free local port, so several jobs can share the node.
-"$python" -m torch.distributed.run --standalone --nproc-per-node="$nproc" -m megabam.cli train "$@" &
+if [[ -n ${MEGABAM_RDZV_ENDPOINT:-} ]]; then
+  rdzv=(--nnodes="${MEGABAM_NNODES:?MEGABAM_NNODES must be set with MEGABAM_RDZV_ENDPOINT}" --rdzv-backend=c10d
+    --rdzv-endpoint="$MEGABAM_RDZV_ENDPOINT" --rdzv-id="${MEGABAM_RDZV_ID:-megabam}")
+else
+  rdzv=(--standalone)
+fi
+logs=()
+[[ -n ${MEGABAM_LOG_DIR:-} ]] && logs=(--log-dir="$MEGABAM_LOG_DIR" --tee=3)
+# torchrun starts with SIGTERM and SIGUSR1 ignored: Slurm signals every process of a step, and torchrun
+# would die of SIGUSR1 or stop the ranks 30 s after SIGTERM. The ranks install their own handlers.
+trap '' TERM USR1
+"$python" -m torch.distributed.run "${rdzv[@]}" "${logs[@]}" --nproc-per-node="$nproc" -m megabam.cli train "$@" &
 launcher=$!
 forward() { pkill -"$1" -P "$launcher" 2>/dev/null || true; }
 trap 'forward TERM' TERM

@@ -1,4 +1,4 @@
-"""The `megabam` command. Subcommands: train, data, eval, plot, repro, convert (a later issue adds plan)."""
+"""The `megabam` command. Subcommands: train, launch, data, eval, plot, repro, convert."""
 
 import argparse
 import contextlib
@@ -14,6 +14,7 @@ from megabam.config import Config, ConfigError, load_config
 from megabam.convert.cli import add_convert_parser, run_convert
 from megabam.data.cli import add_data_parser, run_data
 from megabam.eval.cli import add_eval_parser, add_plot_parser, add_repro_parser, run_eval, run_plot, run_repro
+from megabam.launch import add_launch_parser, run_launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument(
         "--help-config", action="store_true", help="list every config key with its default and meaning, then exit"
     )
+    add_launch_parser(sub)
     add_data_parser(sub)
     add_eval_parser(sub)
     add_plot_parser(sub)
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)
+    if args.command == "launch":
+        return run_launch(args)
     if args.command == "data":
         return run_data(args)
     if args.command == "eval":
@@ -74,10 +78,10 @@ def _exit_preempted_at_start(signum, frame) -> None:
 
 
 def _die_with_the_launcher() -> None:
-    """Under a launcher (torchrun, the deepspeed launcher: they set LOCAL_RANK), stop at once when it
-    dies: its ranks run in sessions of their own, so a scheduler's kill of the launcher's process
-    group would otherwise leave them training on."""
-    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+    """Under a launcher (torchrun, the deepspeed launcher, mpirun, srun), stop at once when it dies: its
+    ranks run in sessions of their own, so a scheduler's kill of the launcher's process group would
+    otherwise leave them training on."""
+    if not sys.platform.startswith("linux"):
         return
     import ctypes
 
@@ -97,7 +101,6 @@ def _record_exit_code(code: int) -> None:
 
 
 def _train(args) -> int:
-    _die_with_the_launcher()
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, _exit_preempted_at_start)
     if args.help_config:
@@ -113,9 +116,17 @@ def _train(args) -> int:
         return exit_codes.BAD_INPUT
     try:
         cfg = load_config(args.config, args.overrides)
+        # Who this rank is, before anything reads RANK (rank 0 alone takes the run directory's lock):
+        # mpirun and srun name ranks in their own variables.
+        from megabam.parallel.ranks import launch_environment, launcher_of
+
+        launched = launcher_of(os.environ) != "none"
+        os.environ.update(launch_environment())
     except ConfigError as e:
         print(f"megabam: error: {e}", file=sys.stderr)
         return exit_codes.BAD_INPUT
+    if launched:
+        _die_with_the_launcher()
     # Importing DeepSpeed and the trainer costs seconds; only after the config is known to be good.
     import torch
 

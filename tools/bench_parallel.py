@@ -56,8 +56,8 @@ import torch.multiprocessing as mp
 
 from megabam.config import load_config
 from megabam.model import Decoder
-from megabam.parallel.distributed import free_port
 from megabam.parallel.layout import ParallelLayout
+from megabam.parallel.ranks import free_port
 from megabam.parallel.sequence_parallel import apply_sp
 from megabam.parallel.tensor_parallel import apply_tp
 from megabam.parallel.topology import Topology
@@ -183,7 +183,8 @@ def _count_engine_traffic(counter: dict, tp_group) -> None:
 def _pipeline_worker(rank: int, world: int, port: int, name: str, tp: int, pp: int, steps: int, results) -> None:
     import os
 
-    from megabam.parallel.distributed import init_distributed, rank_environment
+    from megabam.parallel.distributed import init_distributed
+    from megabam.parallel.ranks import rank_environment
     from megabam.parallel.topology import build_topology
     from megabam.train.engine import build_engine
 

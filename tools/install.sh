@@ -31,12 +31,18 @@ CONSTRAINTS=$ROOT/.cache/constraints.txt
 echo "$TORCH_PIN" > "$CONSTRAINTS"
 export PIP_CONSTRAINT=$CONSTRAINTS
 
-if ! command -v mpicc >/dev/null; then
+# OpenMPI for mpi4py and launch/mpirun.sh; Slurm and munge for the launcher tests' real one-node cluster.
+packages=()
+command -v mpicc >/dev/null || packages+=(libopenmpi-dev openmpi-bin)
+[[ -x /usr/sbin/slurmctld ]] || command -v slurmctld >/dev/null || packages+=(slurm-wlm munge)
+if ((${#packages[@]})); then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenmpi-dev openmpi-bin >/dev/null
-  else
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null
+  elif ! command -v mpicc >/dev/null; then
     echo "install.sh: mpi4py needs an MPI (mpicc not found); install OpenMPI, e.g. apt-get install libopenmpi-dev openmpi-bin" >&2
     exit 1
+  else
+    echo "install.sh: Slurm is not installed, so its launcher tests will be skipped (apt-get install slurm-wlm munge)" >&2
   fi
 fi
 

@@ -323,6 +323,11 @@ class WindowConfig:
 
 @dataclass
 class ParallelConfig:
+    data: int = doc(
+        0,
+        "Data-parallel size; 0 = whatever the launched world leaves (world ÷ tensor·pipeline). Set, a launch "
+        "whose world size is not data·tensor·pipeline is refused at start.",
+    )
     tensor: int = doc(1, "Tensor-parallel size.")
     pipeline: int = doc(
         1,
@@ -350,6 +355,7 @@ class ParallelConfig:
 
     def check(self, require: Require, key: str) -> None:
         at_least_one(require, [(f"{key}.tensor", self.tensor), (f"{key}.pipeline", self.pipeline)])
+        require(self.data >= 0, f"{key}.data", f"must be 0 (from the world size) or a size, got {self.data}")
         require(self.zero_stage in (0, 1, 2), f"{key}.zero_stage", f"must be 0, 1 or 2, got {self.zero_stage}")
         require(
             not self.pipeline_boundaries or self.pipeline > 1,

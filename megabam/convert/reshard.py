@@ -56,6 +56,9 @@ def target_config(
         notes.append("parallel.sequence_parallel true → false (it needs tensor > 1)")
         par["sequence_parallel"] = False
     par["tensor"], par["pipeline"] = tp, pp
+    if par["data"] and par["data"] != dp:  # a fixed data-parallel size must name the new one
+        notes.append(f"parallel.data {par['data']} → {dp}")
+        par["data"] = dp
     micro_batches = source_dp * train["grad_accum"]  # per step, over all data-parallel ranks
     if micro_batches % dp:
         raise ConfigError(

@@ -1,11 +1,10 @@
-"""Joining the process group (with DeepSpeed's JIT-built ops under megabam's own lock), and the one
-free-port helper."""
+"""Joining the process group (with DeepSpeed's JIT-built ops under megabam's own lock), and a local
+world of processes for conversions."""
 
 import contextlib
 import fcntl
 import logging
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -14,44 +13,24 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from megabam.parallel.ranks import free_port, launch_environment, rank_environment
 from megabam.parallel.threads import size_threads
 
 log = logging.getLogger(__name__)
 NOTE_EVERY_S = 30  # how long a start-up wait may last before it says again what it waits for
 
 
-def free_port() -> int:
-    """A TCP port on loopback that no process is listening on (at the time of asking)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
-    """The variables a launcher (torchrun, the deepspeed launcher) gives rank `rank` of a one-node
-    world of `world` processes rendezvousing on 127.0.0.1:`port`."""
-    return dict(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-
-
 def init_distributed() -> None:
     """Join the process group that torchrun / the deepspeed launcher describe in the environment.
 
-    A plain `megabam train` is given a one-rank world on loopback, so the same DeepSpeed path runs
-    with one process as with many. All five variables are set together: DeepSpeed falls back to MPI
-    discovery (and replaces MASTER_ADDR) when any is missing.
+    Whichever launcher started this process (torchrun, deepspeed, mpirun, srun; megabam/parallel/ranks.py
+    reads them all), torch's six variables are set together before DeepSpeed looks: it falls back to
+    its own MPI discovery (and replaces MASTER_ADDR) when any is missing. A plain `megabam train` is
+    the one rank of a world on loopback, so the same DeepSpeed path runs with one process as with many.
     """
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.update(rank_environment(0, 1, free_port()))
-    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])  # streaming reads it
+    os.environ.update(launch_environment())  # LOCAL_WORLD_SIZE too: streaming and the thread count read it
     size_threads()  # before any parallel work: ranks sharing a node must not oversubscribe its cores
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_extensions_dir()))
     # Built (first start: ~20 s) or loaded under the lock, but outside the rendezvous: a rank holding

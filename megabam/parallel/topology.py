@@ -7,8 +7,7 @@ all-reduces are cheap). No other module creates process groups: they ask a `Topo
 
 import torch.distributed as dist
 
-from megabam.config import ConfigError
-from megabam.parallel.layout import ParallelLayout
+from megabam.parallel.layout import ParallelLayout, check_world
 
 
 class Topology:
@@ -71,14 +70,9 @@ class Topology:
         return self.layout.data
 
 
-def build_topology(tensor: int, pipeline: int) -> Topology:
+def build_topology(tensor: int, pipeline: int, data: int = 0) -> Topology:
     """The layout of this launch: tensor and pipeline sizes from the config, data parallelism from the
-    rest of the world."""
-    world, model_parallel = dist.get_world_size(), tensor * pipeline
-    if world % model_parallel:
-        raise ConfigError(
-            "<launch>",
-            "parallel.tensor",
-            f"world size {world} is not a multiple of parallel.tensor · parallel.pipeline = {model_parallel}",
-        )
-    return Topology(ParallelLayout(data=world // model_parallel, tensor=tensor, pipeline=pipeline))
+    rest of the world (or from the config, when it names one the world must match)."""
+    world = dist.get_world_size()
+    check_world(world, tensor, pipeline, data)
+    return Topology(ParallelLayout(data=world // (tensor * pipeline), tensor=tensor, pipeline=pipeline))

@@ -14,8 +14,9 @@ INCOMPATIBLE = (
     "train.precision",
     "run.seed",
 )
-# Changes that mean nothing for the computation.
-IGNORED = ("run.output_dir", "run.name", "data.cache_dir")
+# Changes that mean nothing for the computation (parallel.data only checks the launched world, which
+# the checkpoint's own files then have to match).
+IGNORED = ("run.output_dir", "run.name", "data.cache_dir", "parallel.data")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:

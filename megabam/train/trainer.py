@@ -174,7 +174,7 @@ class Trainer:
         self.cfg, self.run_dir = cfg, run_dir
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.topology = build_topology(cfg.parallel.tensor, cfg.parallel.pipeline)
+        self.topology = build_topology(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data)
         dist.barrier()  # every rank has chosen the directory before rank 0 writes into it
 
         data = build_training_data(cfg, self.rank)

@@ -17,8 +17,8 @@ from megabam.data.mixture import StreamSpec
 from megabam.data.packing import pack_documents
 from megabam.data.shards import write_mds
 from megabam.data.streaming_import import import_streaming
-from megabam.parallel.distributed import free_port, rank_environment
 from megabam.parallel.layout import ParallelLayout
+from megabam.parallel.ranks import free_port, rank_environment
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,14 +4,9 @@ DP=2 × PP=2 (ZeRO-1) against the plain single-process run, one model file per t
 layer, ZeRO shards per data-parallel rank, exact resumes, and a world size the layout does not divide."""
 
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from helpers.runs import ENV, REPO, losses, megabam_train, train_command
-
-from megabam.parallel.distributed import free_port
+from helpers.runs import losses, megabam_train
 
 RUN = ["train.steps=6", "checkpoint.every=3", "train.eval_every=3"]  # micro-batch 4 (tests/runs.py SMALL)
 LOSS_RTOL = 1e-5  # measured ~1e-7 (float reduction order)
@@ -96,31 +91,6 @@ def test_world_size_that_the_layout_does_not_divide_is_refused(tmp_path, data_ca
     assert result.returncode != 0
     assert "parallel.tensor: world size 2 is not a multiple of parallel.tensor · parallel.pipeline = 4" in result.stderr
     assert not (tmp_path / "bad").exists()
-
-
-def test_deepspeed_launcher_runs_tensor_parallel_like_torchrun(tmp_path, data_cache, reference):
-    """The `deepspeed` launcher on localhost (no hostfile) starts the same job; `--no_local_rank`
-    because megabam reads LOCAL_RANK from the environment rather than an argument."""
-    reference_losses, _ = reference
-    port = free_port()
-    launcher = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [
-        launcher,
-        "--num_accelerators",
-        "2",
-        "--no_local_rank",
-        f"--master_port={port}",
-        "--module",
-        "megabam.cli",
-        *train_command(tmp_path, data_cache, "run.name=ds", "parallel.tensor=2", *RUN)[3:],
-    ]
-    result = subprocess.run(
-        cmd, capture_output=True, text=True, env=dict(ENV, DS_ACCELERATOR="cpu"), timeout=600, cwd=REPO
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    parallel = losses(tmp_path / "ds")
-    for step in range(1, 7):
-        assert parallel[step] == pytest.approx(reference_losses[step], rel=LOSS_RTOL), step
 
 
 def test_pipeline_parallel_training_matches_one_process_and_resumes(tmp_path, data_cache, reference):

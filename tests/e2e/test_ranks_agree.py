@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from megabam.config.schema import WindowConfig
 from megabam.data.packing import pack_documents
 from megabam.data.shards import write_mds
-from megabam.parallel.distributed import free_port, rank_environment
+from megabam.parallel.ranks import free_port, rank_environment
 from megabam.train.window_sampler import WindowSampler
 
 REPO = Path(__file__).resolve().parents[2]
