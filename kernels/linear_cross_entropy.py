@@ -34,14 +34,15 @@ def _chunks(x: Tensor, y: Tensor, weight: Tensor, chunk: int, gradients: tuple[b
         exp = logits.sub_(top).exp_()
         sum_exp = exp.sum(-1, keepdim=True)
         total += (top + sum_exp.log() - target).sum()
-        if dx is None and dw is None:
-            continue
-        grad = exp.div_(sum_exp)  # softmax
-        grad[torch.arange(len(ys), device=x.device), ys] -= 1
-        if dx is not None:
-            torch.matmul(grad, w, out=dx[s : s + chunk])
-        if dw is not None:
-            dw.addmm_(grad.t(), xs)
+        if dx is not None or dw is not None:
+            grad = exp.div_(sum_exp)  # softmax
+            grad[torch.arange(len(ys), device=x.device), ys] -= 1
+            if dx is not None:
+                torch.matmul(grad, w, out=dx[s : s + chunk])
+            if dw is not None:
+                dw.addmm_(grad.t(), xs)
+            del grad
+        del logits, exp  # else the next chunk's logits are made while this chunk's are still held
     return total, dx, dw
 
 

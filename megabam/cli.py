@@ -1,4 +1,4 @@
-"""The `megabam` command. Subcommands: train, launch, data, eval, plot, repro, convert."""
+"""The `megabam` command. Subcommands: train, launch, plan, data, eval, plot, repro, convert."""
 
 import argparse
 import contextlib
@@ -15,6 +15,7 @@ from megabam.convert.cli import add_convert_parser, run_convert
 from megabam.data.cli import add_data_parser, run_data
 from megabam.eval.cli import add_eval_parser, add_plot_parser, add_repro_parser, run_eval, run_plot, run_repro
 from megabam.launch import add_launch_parser, run_launch
+from megabam.plan.cli import add_plan_parser, run_plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         "--help-config", action="store_true", help="list every config key with its default and meaning, then exit"
     )
     add_launch_parser(sub)
+    add_plan_parser(sub)
     add_data_parser(sub)
     add_eval_parser(sub)
     add_plot_parser(sub)
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command == "launch":
         return run_launch(args)
+    if args.command == "plan":
+        return run_plan(args)
     if args.command == "data":
         return run_data(args)
     if args.command == "eval":

@@ -32,7 +32,7 @@ mLSTM rows if time is short):
 Each line is timed forward and forward+backward (median of CUDA-event timings). TFLOP/s count the
 useful work, the same for every variant of an op, so the TFLOP/s ratio is the speed ratio: for
 attention 4·D·Σ n_i per head forward (n_i keys row i sees) and 2.5× that more for the backward; for
-the mLSTM what MLstm.flops_per_token counts, N·(chunk·(d_qk + d_v) + 4·d_qk·d_v) per head forward
+the mLSTM what MLstm.mixing_flops counts, N·(chunk·(d_qk + d_v) + 4·d_qk·d_v) per head forward
 and 2× that more for the backward. A variant that fails prints its error and gets NaN in its cell
 rather than ending the run.
 

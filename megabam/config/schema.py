@@ -551,6 +551,11 @@ class LoggingConfig:
     peak_tflops: float | None = doc(
         None, "Peak TFLOP/s of one device for the MFU estimate; null = known GPUs only, no MFU elsewhere."
     )
+    track_memory: bool = doc(
+        False,
+        "CPU: measure the peak of allocated tensors during step 2 (torch's MemTracker; slows that step) and log it "
+        "beside the planner's prediction. On CUDA the allocator's peak is logged always.",
+    )
 
     def check(self, require: Require, key: str) -> None:
         require(self.log_every >= 1, f"{key}.log_every", f"must be at least 1, got {self.log_every}")

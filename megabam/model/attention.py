@@ -190,12 +190,23 @@ class Attention(nn.Module):
     def window_of(self, seq: SequenceInfo) -> int | None:
         return seq.window if (self.sliding and seq.window is not None) else self.window
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward+backward FLOPs of q·k and p·v per token (the projections are counted as parameters).
-        SWA layers count their configured window; the sampled one changes from step to step."""
-        # A causal row sees seq_len/2 keys on average; a window caps that.
-        context = seq_len / 2 if self.window is None else min(self.window, seq_len / 2)
-        return 12 * self.n_heads * self.head_dim * context
+    def mixing_flops(self, seq_len: int, window: int | None = None) -> dict[str, float]:
+        """Forward FLOPs per token of the sequence mixing (the projections count as parameters), SWA
+        layers at `window` (None = their configured one). q·k and p·v run over the keys a query sees on
+        average: a causal window w over n tokens is n·w − w²/2 dot products per head, full causal n²/2.
+        A positional prior adds one add per logit, SSMax one multiply per query element (its row factor
+        scales the queries)."""
+        w = window if (self.sliding and window is not None) else self.window
+        keys = seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)
+        parts = {
+            "scores": 2.0 * self.n_heads * self.head_dim * keys,
+            "values": 2.0 * self.n_heads * self.head_dim * keys,
+        }
+        if self.prior is not None:
+            parts["prior"] = float(self.n_heads * keys)
+        if self.ssmax_s is not None:
+            parts["ssmax"] = float(self.n_heads * self.head_dim)
+        return parts
 
 
 @register_mixer("attention")

@@ -110,11 +110,11 @@ class GatedDeltaNet(nn.Module):
             o, S = gated_delta_chunkwise(*inputs, self.chunk_size, S)
         return self._output(x, o.to(x.dtype)), GatedDeltaNetState(S, conv)
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward+backward FLOPs per token of the chunkwise cell: k·k, q·k, the triangular solve and
-        scores·U within half a chunk on average, k·S, q·S and the state update once per step."""
+    def mixing_flops(self, seq_len: int, window: int | None = None) -> dict[str, float]:
+        """Forward FLOPs per token of the chunkwise cell: within a chunk k·k, q·k, the triangular solve
+        and scores·U over half a chunk on average; between chunks k·S, q·S and the state update."""
         chunk, D = min(self.chunk_size, seq_len), self.head_dim
-        return 3 * self.n_heads * (4 * chunk * D + 6 * D * D)
+        return {"intra_chunk": float(4 * self.n_heads * chunk * D), "inter_chunk": float(6 * self.n_heads * D * D)}
 
 
 @register_mixer("gated_deltanet")

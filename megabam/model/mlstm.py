@@ -109,12 +109,15 @@ class MLstm(nn.Module):
             h, state = dispatch.mlstm_chunkwise(*inputs, self.eps, self.chunk_size, state, backend=self.backend)
         return self._output(x, h.to(x.dtype)), state
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward+backward FLOPs per token of the chunkwise cell (projections count as parameters):
-        q·k and scores·v over half a chunk on average, q·C and the state update once per step."""
+    def mixing_flops(self, seq_len: int, window: int | None = None) -> dict[str, float]:
+        """Forward FLOPs per token of the chunkwise cell (the projections count as parameters): within
+        a chunk q·k and scores·v over half a chunk on average; between chunks q·C and the state update
+        k·vᵀ once per token."""
         chunk = min(self.chunk_size, seq_len)
-        per_head = chunk * (self.qk_dim + self.v_dim) + 4 * self.qk_dim * self.v_dim
-        return 3 * self.n_heads * per_head
+        return {
+            "intra_chunk": float(self.n_heads * chunk * (self.qk_dim + self.v_dim)),
+            "inter_chunk": float(4 * self.n_heads * self.qk_dim * self.v_dim),
+        }
 
 
 @register_mixer("mlstm")

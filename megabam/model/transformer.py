@@ -180,29 +180,3 @@ class Decoder(nn.Module):
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if exclude_embedding else n
-
-    def params_by_layer_type(self) -> dict[str, int]:
-        """Parameters of the mixers summed per mixer name, of all MLPs + norms, and of the embedding/head
-        (shared modules such as one BAM prior for all layers are counted once, with the first layer)."""
-        counts: dict[str, int] = {}
-        seen: set[int] = set()
-
-        def count(module: nn.Module) -> int:
-            fresh = [p for p in module.parameters() if id(p) not in seen]
-            seen.update(id(p) for p in fresh)
-            return sum(p.numel() for p in fresh)
-
-        for name, block in zip(self.layer_types, self.blocks):
-            counts[name] = counts.get(name, 0) + count(block.mixer)
-        counts["mlp_and_norms"] = sum(count(b.mlp) + count(b.mlp_norm) + count(b.mixer_norm) for b in self.blocks)
-        counts["embedding_and_head"] = (
-            count(self.embed) + count(self.norm) + (count(self.lm_head) if self.lm_head else 0)
-        )
-        return counts
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 per parameter use (the LM head counts even when tied) plus the
-        mixers' own sequence-dependent work. Used for the MFU estimate."""
-        dense = 6 * (self.num_params(exclude_embedding=True) + self.embed.weight.numel())
-        mixing = sum(b.mixer.flops_per_token(seq_len) for b in self.blocks)
-        return dense + mixing

@@ -13,16 +13,25 @@ from megabam.config.schema import Config
 from megabam.model import Decoder
 from megabam.parallel.parallelize import ParallelModel, parallelize
 from megabam.parallel.topology import Topology
+from megabam.plan.counts import training_flops_per_token
+from megabam.plan.memory import DEEPSPEED_BUCKET
 from megabam.train.logger import head_parameters
 from megabam.train.optim import add_group_placeholders, build_optimizer, build_scheduler, group_of
 
 
-def deepspeed_config(cfg: Config) -> dict:
+def deepspeed_config(cfg: Config, rank_params: int) -> dict:
+    """DeepSpeed's config for `cfg`; ZeRO's buckets hold at most the rank's `rank_params` parameters
+    (DeepSpeed allocates its 5e8-element reduce bucket whatever the model's size: 1.9 GB in fp32)."""
+    bucket = max(1, min(DEEPSPEED_BUCKET, rank_params))
     config = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.train.grad_accum,
         "gradient_clipping": cfg.optim.grad_clip,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "zero_optimization": {
+            "stage": cfg.parallel.zero_stage,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+        },
         # check_grad_overflow: skip (on every rank) an update whose gradient norm is not finite.
         "bf16": {"enabled": cfg.train.precision == "bf16", "check_grad_overflow": True},
         # megabam's AdamW groups carry per-group lr multipliers; ZeRO shards any torch optimizer.
@@ -126,7 +135,8 @@ def build_engine(cfg: Config, topology: Topology) -> TrainingEngine:
         from megabam.convert.consolidate import load_initial_weights
 
         load_initial_weights(model, cfg.model, Path(cfg.train.init_from))
-    params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)
+    # MFU's numerator: the planner's model FLOPs (megabam/plan/counts.py), one formula for both
+    params, flops_per_token = model.num_params(), training_flops_per_token(cfg, model)["model"]
     groups = {group_of(name, p) for name, p in model.named_parameters() if p.requires_grad}
     parallel = parallelize(model, cfg, topology)
     if topology.pp_size > 1:  # every stage must step the same parameter groups
@@ -137,7 +147,23 @@ def build_engine(cfg: Config, topology: Topology) -> TrainingEngine:
         mpu=parallel.mpu,
         # A callable, so the schedule wraps the optimizer DeepSpeed actually steps (ZeRO wraps ours).
         lr_scheduler=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.steps),
-        config=deepspeed_config(cfg),
+        config=deepspeed_config(cfg, sum(p.numel() for p in parallel.module.parameters())),
     )
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
     return TrainingEngine(engine, parallel, topology, device, params, flops_per_token)
+
+
+def tracked_step(engine: TrainingEngine, micro_batches: list[dict], window: int | None) -> tuple[torch.Tensor, int]:
+    """engine.step with every tensor allocation counted (CPU has no allocator statistics): the loss
+    sum and the peak bytes of live tensors during the step, the weights, gradients and optimizer state
+    that exist before it included."""
+    from megabam.train.live_tensors import LiveTensors
+
+    optimizer = engine.deepspeed.optimizer
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps torch's AdamW
+    existing = [*engine.deepspeed.module.parameters(), *(p for g in inner.param_groups for p in g["params"])]
+    existing += [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    existing += [p.grad for p in existing if p.grad is not None]
+    with LiveTensors(existing) as live:
+        loss_sum = engine.step(micro_batches, window)
+    return loss_sum, live.peak

@@ -14,19 +14,18 @@ from torch import nn
 from tqdm import tqdm
 
 from megabam.config.schema import Config, LoggingConfig
+from megabam.plan.hardware import gpu_of_device
 
 log = logging.getLogger(__name__)
 
-# Dense bf16 peak of one device, for the MFU estimate when logging.peak_tflops is not set.
-KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
-
 
 def peak_tflops(cfg: LoggingConfig) -> float | None:
+    """logging.peak_tflops, else the dense bf16 peak of a GPU the planner knows (megabam/plan/hardware.py)."""
     if cfg.peak_tflops is not None:
         return cfg.peak_tflops
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        return next((v for k, v in KNOWN_PEAK_TFLOPS.items() if k in name), None)
+        gpu = gpu_of_device(torch.cuda.get_device_name())
+        return gpu.peak_tflops if gpu else None
     return None
 
 

@@ -32,10 +32,13 @@ from megabam.eval.passkey import passkey_accuracy, passkey_grid
 from megabam.log import setup_logging
 from megabam.parallel.distributed import init_distributed
 from megabam.parallel.topology import build_topology
+from megabam.plan.counts import meta_model
+from megabam.plan.memory import memory_bytes
+from megabam.plan.planner import config_layout
 from megabam.train import checkpoint
 from megabam.train.checkpoint import CheckpointMeta
 from megabam.train.compatibility import config_changes
-from megabam.train.engine import build_engine
+from megabam.train.engine import build_engine, tracked_step
 from megabam.train.logger import RunLogger, peak_tflops
 from megabam.train.plot import plot_loss
 from megabam.train.preemption import Preempted, PreemptionFlag
@@ -227,6 +230,10 @@ class Trainer:
             cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_len * self.topology.dp_size
         )
         self.peak_tflops = peak_tflops(cfg.logging)
+        # The planner's memory per GPU for this layout, logged beside the measured peak.
+        layout = config_layout(cfg, self.world)
+        self.predicted_memory = memory_bytes(cfg, meta_model(cfg), layout, self.engine.device.type)
+        self.measured_peak: float | None = None
 
     def _resume(self) -> CheckpointMeta:
         """Load the newest checkpoint that verifies and loads, after checking that the config change
@@ -273,7 +280,10 @@ class Trainer:
         micro_batches = [
             {k: v.to(engine.device) for k, v in next(self.batches).items()} for _ in range(cfg.train.grad_accum)
         ]
-        loss_sum = engine.step(micro_batches, window)
+        if cfg.logging.track_memory and engine.device.type == "cpu" and step == 1:  # Adam's state exists now
+            loss_sum, self.measured_peak = tracked_step(engine, micro_batches, window)
+        else:
+            loss_sum = engine.step(micro_batches, window)
         # DeepSpeed skips an update whose gradient norm is not finite, on every rank alike.
         flags = torch.tensor(
             [not engine.deepspeed.was_step_applied(), preemption.requested], dtype=torch.float64, device=engine.device
@@ -327,9 +337,27 @@ class Trainer:
             }
             if self.peak_tflops:
                 metrics["mfu"] = metrics["tflops_per_device"] / self.peak_tflops
+            metrics.update(self.memory_metrics())
             metrics.update(engine.head_parameters())
             self.logger.log(done, metrics)
             p.interval_losses = []
+
+    def memory_metrics(self) -> dict[str, float]:
+        """The measured peak of allocated tensors since the last row (CUDA: the allocator's; CPU: step 2's
+        under logging.track_memory) beside the planner's prediction, in MiB."""
+        device = self.engine.device
+        if device.type == "cuda":
+            self.measured_peak = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        if self.measured_peak is None:
+            return {}
+        row = {
+            "peak_memory_mib": self.measured_peak / 2**20,
+            "predicted_memory_mib": self.predicted_memory["total"] / 2**20,
+        }
+        if device.type != "cuda":
+            self.measured_peak = None  # one measurement on CPU
+        return row
 
     def evaluate(self) -> float:
         """Mean validation loss over the first train.eval_batches batches, averaged over data-parallel ranks."""

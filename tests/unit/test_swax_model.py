@@ -15,6 +15,7 @@ import yaml
 from megabam.config import ConfigError, load_config
 from megabam.config.schema import expand_pattern
 from megabam.model import Decoder
+from megabam.plan.counts import forward_flops_by_component, params_by_component
 from megabam.train.window_sampler import WindowSampler
 
 ROOT = Path(__file__).parents[2]
@@ -60,10 +61,15 @@ def test_patterns_train_finite_and_count_parameters_per_layer_type(pattern):
     loss = model(ids, ids, window=4)
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    counts = model.params_by_layer_type()
+    counts = params_by_component(model)
     assert sum(counts.values()) == model.num_params()
-    assert set(counts) == set(model.layer_types) | {"mlp_and_norms", "embedding_and_head"}
-    assert model.flops_per_token(64) > 6 * model.num_params(exclude_embedding=True)
+    assert (
+        set(model.layer_types)
+        <= set(counts)
+        <= set(model.layer_types) | {"embedding", "mlp", "norms", "ssmax", "bam_prior"}
+    )
+    flops = forward_flops_by_component(model, 64, [(4, 1.0)])
+    assert 3 * sum(flops.values()) > 6 * model.num_params(exclude_embedding=True)
 
 
 def test_norms_gate_biases_and_decay_rates_get_no_weight_decay():

@@ -1,0 +1,113 @@
+"""`megabam plan CONFIG [overrides] --gpu NAME --nodes N --gpus-per-node G [--json]`."""
+
+import dataclasses
+import json
+import sys
+
+from megabam import exit_codes
+from megabam.config import ConfigError, load_config
+from megabam.plan.hardware import GPUS
+from megabam.plan.planner import GIB, Estimate, Plan, plan
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="whether a config fits given GPUs, at which layout, and how fast (before the booking)",
+        description="Parameters, FLOPs, memory per GPU, communication and a roofline step time of a config "
+        "on the GPUs given; the verdict on its own layout and the best layouts ranked by throughput.",
+    )
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of config values")
+    p.add_argument("--gpu", choices=sorted(GPUS), required=True)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--top", type=int, default=5, help="best layouts to list (default 5)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+
+
+def run_plan(args) -> int:
+    try:
+        if args.nodes < 1 or args.gpus_per_node < 1:
+            raise ConfigError("<plan>", "--nodes" if args.nodes < 1 else "--gpus-per-node", "must be at least 1")
+        cfg = load_config(args.config, args.overrides)
+        result = plan(cfg, GPUS[args.gpu], args.nodes, args.gpus_per_node, args.top)
+    except ConfigError as e:
+        print(f"megabam: error: {e}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    print(json.dumps(as_json(result), indent=1) if args.json else "\n".join(report(result)))
+    return exit_codes.OK
+
+
+def _estimate_json(e: Estimate) -> dict:
+    return {
+        "layout": dataclasses.asdict(e.layout),
+        "memory_bytes": e.memory,
+        "capacity_bytes": e.capacity,
+        "fits": e.fits,
+        "margin_bytes": e.margin,
+        "communication_bytes_per_step": e.communication,
+        "seconds_per_step": e.times,
+        "tokens_per_s": e.tokens_per_s,
+        "mfu": e.mfu,
+    }
+
+
+def as_json(p: Plan) -> dict:
+    return {
+        "gpu": dataclasses.asdict(p.gpu),
+        "nodes": p.nodes,
+        "gpus_per_node": p.gpus_per_node,
+        "parameters": p.params,
+        "forward_flops_per_token": p.forward_flops,
+        "model_flops_per_token": p.model_flops,
+        "config_layout": None if p.own is None else _estimate_json(p.own),
+        "config_layout_problem": p.own_problem,
+        "best_layouts": [_estimate_json(e) for e in p.best],
+    }
+
+
+def report(p: Plan) -> list[str]:
+    total = sum(p.params.values())
+    lines = [
+        f"parameters: {total:,} ({total / 1e9:.3f} B)",
+        "",
+        "| component | parameters | share |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {k} | {v:,} | {v / total:.1%} |" for k, v in sorted(p.params.items(), key=lambda kv: -kv[1])]
+    fwd = sum(p.forward_flops.values())
+    lines += ["", f"FLOPs per token: forward {fwd:.4g}, training (3×) {p.model_flops:.4g}", ""]
+    lines += ["| component | forward FLOPs/token | share |", "|---|---:|---:|"]
+    lines += [f"| {k} | {v:.4g} | {v / fwd:.1%} |" for k, v in sorted(p.forward_flops.items(), key=lambda kv: -kv[1])]
+    world = p.nodes * p.gpus_per_node
+    lines += ["", f"{world} × {p.gpu.name} ({p.nodes} node(s) × {p.gpus_per_node})"]
+    if p.own is None:
+        lines += [f"config layout: {p.own_problem}"]
+    else:
+        e = p.own
+        verdict = "fits" if e.fits else "does NOT fit"
+        lines += [
+            f"config layout {e.layout.describe()}: {verdict}: {e.memory['total'] / GIB:.1f} of "
+            f"{e.capacity / GIB:.1f} GiB per GPU (margin {e.margin / GIB:+.1f} GiB)",
+            "",
+            "| memory per GPU | GiB |",
+            "|---|---:|",
+        ]
+        lines += [f"| {k} | {v / GIB:.2f} |" for k, v in e.memory.items()]
+        lines += ["", "| per step | bytes per rank | seconds |", "|---|---:|---:|"]
+        for k, v in e.times.items():
+            lines.append(
+                f"| {k} | {e.communication.get(k, 0) / GIB:.2f} GiB | {v:.3f} |"
+                if k in e.communication
+                else f"| {k} | | {v:.3f} |"
+            )
+        lines.append(f"predicted: {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%} (a roofline: an upper bound)")
+    lines += ["", "best layouts that fit, by predicted throughput:", ""]
+    lines += ["| layout | GiB per GPU | tokens/s | MFU | step s |", "|---|---:|---:|---:|---:|"]
+    lines += [
+        f"| {e.layout.describe()} | {e.memory['total'] / GIB:.1f} | {e.tokens_per_s:,.0f} | {e.mfu:.1%} | "
+        f"{e.times['step']:.2f} |"
+        for e in p.best
+    ] or ["| none fits | | | | |"]
+    return lines

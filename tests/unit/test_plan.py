@@ -1,0 +1,132 @@
+"""The planner (megabam/plan): parameter counts against a hand count for every shipped config and the
+built model for the small ones, FLOPs per token against a hand count, the verdicts on the 7B@16k
+config's stated hardware, and the command's output and errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megabam.config import load_config
+from megabam.model import Decoder
+from megabam.plan.counts import forward_flops_by_component, meta_model, params_by_component, window_draws
+from megabam.plan.hardware import GPUS
+from megabam.plan.planner import GIB, config_layout, estimate, plan
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted(p.name for p in (ROOT / "yaml_configs").glob("*.yaml"))
+
+
+def hand_count(cfg) -> dict[str, int]:
+    """Parameters per component written out from the architecture, layer by layer."""
+    m = cfg.model
+    d, V, L, H, f = m.d_model, m.vocab_size, m.n_layers, m.n_heads, m.ffn_hidden_size()
+    counts = {"embedding": V * d, "norms": 2 * d * L + d, "mlp": 3 * d * f * L}
+    if not m.tie_embeddings:
+        counts["head"] = V * d
+    priors = 0
+    for kind in m.layer_types():
+        if kind in ("attention", "swa"):
+            a = m.attention if kind == "attention" else m.swa
+            kv = (a.kv_heads or H) * (d // H)
+            counts[kind] = counts.get(kind, 0) + d * (d + 2 * kv) + d * d
+            if a.ssmax:
+                counts["ssmax"] = counts.get("ssmax", 0) + H
+            if a.positional == "ggd_bam":
+                priors += 3 * H  # θ_α, θ_β, θ_μ per head
+        elif kind == "mlstm":
+            h = m.mlstm.n_heads or H
+            counts[kind] = counts.get(kind, 0) + 2 * d * (d // 2) + 3 * d * d + 2 * (d * h + h) + d
+        else:
+            h, c = m.gated_deltanet.n_heads or H, m.gated_deltanet.conv_size
+            counts[kind] = counts.get(kind, 0) + 3 * d * d + 3 * d * c + 2 * d * h + 2 * d * d + 2 * h + d
+    if priors:
+        shared = m.attention.bam.shared_across_layers
+        counts["bam_prior"] = 3 * H if shared else priors
+    return counts
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_parameters_by_component_match_a_hand_count_for_every_config(name):
+    cfg = load_config(ROOT / "yaml_configs" / name)
+    assert params_by_component(meta_model(cfg)) == hand_count(cfg)
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu.yaml", "swax_tiny_cpu.yaml", "bam_120m.yaml"])
+def test_parameters_equal_the_built_models(name):
+    cfg = load_config(ROOT / "yaml_configs" / name)
+    built = Decoder(cfg.model)  # on the CPU, initialised
+    assert sum(params_by_component(meta_model(cfg)).values()) == sum(p.numel() for p in built.parameters())
+
+
+def test_forward_flops_per_token_match_a_hand_count():
+    cfg = load_config(ROOT / "yaml_configs" / "tiny_cpu.yaml")
+    m, N = cfg.model, cfg.data.seq_len
+    d, V, L, H, f = m.d_model, m.vocab_size, m.n_layers, m.n_heads, m.ffn_hidden_size()
+    D = d // H
+    per_layer = 2 * (3 * d * d + d * d) + 2 * 3 * d * f  # q|k|v and out; gate|up and down
+    per_layer += 2 * (2 * H * D * N / 2)  # q·k and p·v over N/2 keys on average
+    per_layer += H * N / 2 + H * D  # the prior's add per logit, SSMax's query scale
+    hand = L * per_layer + 2 * V * d  # the tied head's matmul
+    flops = forward_flops_by_component(meta_model(cfg), N, window_draws(cfg))
+    assert sum(flops.values()) == pytest.approx(hand, rel=1e-12)
+
+
+def test_a_causal_window_costs_n_w_minus_half_w_squared():
+    cfg = load_config(ROOT / "yaml_configs" / "swax_tiny_cpu.yaml", ["data.seq_len=1024"])
+    m, N = cfg.model, cfg.data.seq_len
+    H, D = m.n_heads, m.d_model // m.n_heads
+    draws = window_draws(cfg)
+    assert sum(p for _, p in draws) == pytest.approx(1.0)
+    flops = forward_flops_by_component(meta_model(cfg), N, draws)
+    swa_layers = m.layer_types().count("swa")
+    expected = swa_layers * sum(p * 2 * H * D * (N * w - w * w / 2) / N for w, p in draws)
+    assert flops["swa.scores"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_7b_config_fits_its_stated_hardware_and_an_oversized_one_does_not():
+    cfg = load_config(ROOT / "yaml_configs" / "swax_7b_16k.yaml")
+    h100 = GPUS["h100-80gb"]
+    own = estimate(cfg, meta_model(cfg), config_layout(cfg, 64), h100, 8)
+    assert own.fits and own.margin > 10 * GIB
+    assert 0.3 < own.mfu < 1.0 and own.tokens_per_s > 0
+    plain = load_config(
+        ROOT / "yaml_configs" / "swax_7b_16k.yaml",
+        ["parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.data=64"],
+    )
+    assert not estimate(plain, meta_model(plain), config_layout(plain, 64), h100, 8).fits  # no TP at 16k
+    wide = load_config(ROOT / "yaml_configs" / "swax_7b_16k.yaml", ["model.n_layers=192"])  # ~28B
+    result = plan(wide, h100, 8, 8, top=3)
+    assert not result.own.fits
+    assert all(e.fits for e in result.best)
+
+
+def test_more_recomputation_and_tensor_parallelism_need_less_memory():
+    cfg = load_config(ROOT / "yaml_configs" / "swax_1p4b_16k.yaml")
+    model = meta_model(cfg)
+    base = config_layout(cfg, 16)
+    totals = [
+        estimate(cfg, model, base.__class__(**{**base.__dict__, **change}), GPUS["h100-80gb"], 8).memory["activations"]
+        for change in [{}, {"recompute": "selective"}, {"recompute": "full"}]
+    ]
+    assert totals[0] > totals[1] > totals[2]
+
+
+def test_plan_command_prints_tables_and_json_and_names_bad_input(tmp_path):
+    cmd = [sys.executable, "-m", "megabam.cli", "plan", str(ROOT / "yaml_configs" / "bam_120m.yaml")]
+    table = subprocess.run([*cmd, "--gpu", "a100-80gb", "--nodes", "1"], capture_output=True, text=True, timeout=300)
+    assert table.returncode == 0, table.stderr
+    assert "config layout TP1 PP1 DP8" in table.stdout and ": fits:" in table.stdout
+    out = subprocess.run([*cmd, "--gpu", "h100-80gb", "--json"], capture_output=True, text=True, timeout=300)
+    result = json.loads(out.stdout)
+    assert result["config_layout"]["fits"] and sum(result["parameters"].values()) == 123_587_904
+    bad = subprocess.run([*cmd, "model.n_heads=7", "--gpu", "h100-80gb"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "model.n_heads" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_meta_model_holds_no_memory():
+    cfg = load_config(ROOT / "yaml_configs" / "swax_7b_16k.yaml")
+    assert all(p.device == torch.device("meta") for p in meta_model(cfg).parameters())
