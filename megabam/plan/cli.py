@@ -102,7 +102,10 @@ def report(p: Plan) -> list[str]:
                 if k in e.communication
                 else f"| {k} | | {v:.3f} |"
             )
-        lines.append(f"predicted: {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%} (a roofline: an upper bound)")
+        lines.append(
+            f"predicted: {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%} (a roofline: an upper bound; tuned 7B "
+            "dense runs publish 47-52 % MFU)"
+        )
     lines += ["", "best layouts that fit, by predicted throughput:", ""]
     lines += ["| layout | GiB per GPU | tokens/s | MFU | step s |", "|---|---:|---:|---:|---:|"]
     lines += [

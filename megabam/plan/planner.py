@@ -1,9 +1,10 @@
 """A layout's communication, step time and MFU on given GPUs, the verdict on the config's own layout,
 and the best layouts ranked by predicted throughput.
 
-Step time is a roofline: each rank's work is the larger of its FLOPs at the GPU's dense peak and its
-bytes at the HBM bandwidth (weights read three times per micro-batch, activations written and read
-once, the optimizer's partition read and written once per step); 1F1B's bubble stretches it by
+Step time is a roofline: each rank's work is its FLOPs at the GPU's dense peak plus its bytes at the
+HBM bandwidth (weights read three times per micro-batch, activations written and read once, the
+optimizer's partition read and written once per step: the elementwise passes wait for memory, not
+for the matmuls); 1F1B's bubble stretches it by
 (M + PP − 1) / M; tensor-parallel collectives (two per block forward, two backward, two more under full
 recomputation; ring all-reduce bytes 2(t−1)/t of the message) run at NVLink speed inside a node and at
 the network's between nodes and are not overlapped; so is ZeRO's gradient reduce-scatter and
@@ -96,7 +97,7 @@ def estimate(cfg: Config, model: Decoder, layout: Layout, gpu: Gpu, gpus_per_nod
     moved += psi * (b + 2 * 16 / dp)  # the optimizer: weights written, partition read and written
     hbm = moved / (gpu.hbm_gbps * 1e9)
     bubble = (micro_batches + pp - 1) / micro_batches
-    work = max(compute, hbm) * bubble
+    work = (compute + hbm) * bubble  # matmuls at their FLOP bound, then the elementwise passes at their byte bound
 
     h = cfg.model.d_model
     message = tokens_micro * h * b
@@ -111,7 +112,7 @@ def estimate(cfg: Config, model: Decoder, layout: Layout, gpu: Gpu, gpus_per_nod
     times = {
         "compute": compute,
         "hbm": hbm,
-        "bubble": max(compute, hbm) * (bubble - 1),
+        "bubble": (compute + hbm) * (bubble - 1),
         "tensor_parallel": tp_bytes / (tp_bw * 1e9),
         "pipeline_sends": pp_bytes / (pp_bw * 1e9),
         "data_parallel": dp_bytes / (dp_bw * 1e9),
