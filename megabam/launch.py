@@ -72,6 +72,7 @@ def run_launch(args) -> int:
         return exit_codes.OK
     if script is not None:
         path, text = script
+        Path(args.log_root).mkdir(parents=True, exist_ok=True)  # sbatch writes the batch log there at once
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text)

@@ -1,4 +1,7 @@
-"""`megabam plan CONFIG [overrides] --gpu NAME --nodes N --gpus-per-node G [--json]`."""
+"""`megabam plan CONFIG [overrides] --gpu NAME --nodes N --gpus-per-node G [--json]`.
+
+The planner itself (torch, the model) is imported only when the command runs: `megabam` must start in
+a fraction of a second (its signal handlers go in before torch is imported)."""
 
 import dataclasses
 import json
@@ -7,7 +10,6 @@ import sys
 from megabam import exit_codes
 from megabam.config import ConfigError, load_config
 from megabam.plan.hardware import GPUS
-from megabam.plan.planner import GIB, Estimate, Plan, plan
 
 
 def add_plan_parser(sub) -> None:
@@ -31,6 +33,8 @@ def run_plan(args) -> int:
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise ConfigError("<plan>", "--nodes" if args.nodes < 1 else "--gpus-per-node", "must be at least 1")
         cfg = load_config(args.config, args.overrides)
+        from megabam.plan.planner import plan
+
         result = plan(cfg, GPUS[args.gpu], args.nodes, args.gpus_per_node, args.top)
     except ConfigError as e:
         print(f"megabam: error: {e}", file=sys.stderr)
@@ -39,7 +43,7 @@ def run_plan(args) -> int:
     return exit_codes.OK
 
 
-def _estimate_json(e: Estimate) -> dict:
+def _estimate_json(e) -> dict:
     return {
         "layout": dataclasses.asdict(e.layout),
         "memory_bytes": e.memory,
@@ -50,10 +54,11 @@ def _estimate_json(e: Estimate) -> dict:
         "seconds_per_step": e.times,
         "tokens_per_s": e.tokens_per_s,
         "mfu": e.mfu,
+        "training_flops_per_token": e.flops_per_token,
     }
 
 
-def as_json(p: Plan) -> dict:
+def as_json(p) -> dict:
     return {
         "gpu": dataclasses.asdict(p.gpu),
         "nodes": p.nodes,
@@ -67,7 +72,9 @@ def as_json(p: Plan) -> dict:
     }
 
 
-def report(p: Plan) -> list[str]:
+def report(p) -> list[str]:
+    from megabam.plan.planner import GIB
+
     total = sum(p.params.values())
     lines = [
         f"parameters: {total:,} ({total / 1e9:.3f} B)",
@@ -95,6 +102,7 @@ def report(p: Plan) -> list[str]:
             "|---|---:|",
         ]
         lines += [f"| {k} | {v / GIB:.2f} |" for k, v in e.memory.items()]
+        lines += ["", f"training FLOPs per token with recompute={e.layout.recompute}: {e.flops_per_token:.4g}"]
         lines += ["", "| per step | bytes per rank | seconds |", "|---|---:|---:|"]
         for k, v in e.times.items():
             lines.append(

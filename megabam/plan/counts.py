@@ -87,17 +87,16 @@ def training_flops_per_token(cfg: Config, model: Decoder | None = None) -> dict[
     model = model or meta_model(cfg)
     forward = forward_flops_by_component(model, cfg.data.seq_len, window_draws(cfg))
     total = sum(forward.values())
-    recomputed = recompute_share(cfg, forward)
+    recomputed = recompute_share(cfg.parallel.recompute, cfg.parallel.recompute_mixers, forward)
     return {"model": 3 * total, "hardware": 3 * total + recomputed}
 
 
-def recompute_share(cfg: Config, forward: dict[str, float]) -> float:
-    """Forward FLOPs per token run a second time by the config's activation recomputation."""
-    mode = cfg.parallel.recompute
+def recompute_share(mode: str, mixers: list[str], forward: dict[str, float]) -> float:
+    """Forward FLOPs per token run a second time by activation recomputation `mode` (selective:
+    of the mixers named)."""
     if mode == "none":
         return 0.0
     blocks = {k: v for k, v in forward.items() if k not in ("embedding", "head")}
     if mode == "full":
         return sum(blocks.values())
-    mixers = set(cfg.parallel.recompute_mixers)
-    return sum(v for k, v in blocks.items() if k.split(".")[0] in mixers)
+    return sum(v for k, v in blocks.items() if k.split(".")[0] in set(mixers))

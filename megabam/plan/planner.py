@@ -13,7 +13,7 @@ activation sends. It is an upper bound: kernels below peak, launch gaps and imba
 """
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from megabam.config import Config, ConfigError
 from megabam.config.loader import config_from_dict
@@ -40,7 +40,7 @@ class Estimate:
     times: dict[str, float]  # seconds per step
     tokens_per_s: float
     mfu: float
-    notes: list[str] = field(default_factory=list)
+    flops_per_token: float  # training, with the layout's recomputation
 
     @property
     def fits(self) -> bool:
@@ -86,7 +86,7 @@ def estimate(cfg: Config, model: Decoder, layout: Layout, gpu: Gpu, gpus_per_nod
     t, pp, dp = layout.tensor, layout.pipeline, layout.data
     forward = forward_flops_by_component(model, cfg.data.seq_len, window_draws(cfg))
     model_flops = 3 * sum(forward.values())
-    hardware_flops = model_flops + recompute_share(with_layout(cfg, layout), forward)
+    hardware_flops = model_flops + recompute_share(layout.recompute, cfg.parallel.recompute_mixers, forward)
     tokens_micro = layout.micro_batch * cfg.data.seq_len
     micro_batches = layout.grad_accum
     memory = memory_bytes(cfg, model, layout)
@@ -129,6 +129,7 @@ def estimate(cfg: Config, model: Decoder, layout: Layout, gpu: Gpu, gpus_per_nod
         times=times,
         tokens_per_s=tokens_per_s,
         mfu=mfu,
+        flops_per_token=hardware_flops,
     )
 
 

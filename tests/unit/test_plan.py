@@ -2,6 +2,7 @@
 built model for the small ones, FLOPs per token against a hand count, the verdicts on the 7B@16k
 config's stated hardware, and the command's output and errors."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -104,6 +105,36 @@ def test_the_7b_config_fits_its_stated_hardware_and_an_oversized_one_does_not():
     assert all(e.fits for e in result.best)
 
 
+@pytest.mark.parametrize(
+    "name, gpu, nodes",
+    [
+        ("bam_120m.yaml", "a100-80gb", 1),
+        ("bam_1p1b.yaml", "h100-80gb", 1),
+        ("swax_1p4b_16k.yaml", "h100-80gb", 2),
+        ("swax_7b_16k.yaml", "h100-80gb", 8),
+    ],
+)
+def test_each_cluster_config_fits_the_hardware_its_header_names(name, gpu, nodes):
+    cfg = load_config(ROOT / "yaml_configs" / name)
+    assert f"--gpu {gpu} --nodes {nodes}" in (ROOT / "yaml_configs" / name).read_text().replace("\n# ", " ")
+    own = estimate(cfg, meta_model(cfg), config_layout(cfg, 8 * nodes), GPUS[gpu], 8)
+    assert own.fits, own.memory
+
+
+def test_recomputation_costs_forward_flops_again():
+    cfg = load_config(ROOT / "yaml_configs" / "tiny_cpu.yaml")
+    model = meta_model(cfg)
+    base = config_layout(cfg, 1)
+    flops = [
+        estimate(cfg, model, dataclasses.replace(base, recompute=mode), GPUS["h100-80gb"], 8).flops_per_token
+        for mode in ("none", "selective", "full")
+    ]
+    forward = sum(forward_flops_by_component(model, cfg.data.seq_len).values())
+    head = forward_flops_by_component(model, cfg.data.seq_len)["head"]
+    assert flops[0] == pytest.approx(3 * forward) and flops[2] == pytest.approx(4 * forward - head)
+    assert flops[0] < flops[1] < flops[2]
+
+
 def test_more_recomputation_and_tensor_parallelism_need_less_memory():
     cfg = load_config(ROOT / "yaml_configs" / "swax_1p4b_16k.yaml")
     model = meta_model(cfg)
@@ -130,3 +161,10 @@ def test_plan_command_prints_tables_and_json_and_names_bad_input(tmp_path):
 def test_meta_model_holds_no_memory():
     cfg = load_config(ROOT / "yaml_configs" / "swax_7b_16k.yaml")
     assert all(p.device == torch.device("meta") for p in meta_model(cfg).parameters())
+
+
+def test_the_megabam_command_starts_without_importing_torch():
+    """Its SIGTERM/SIGUSR1 handlers go in before torch is imported (tests/e2e/test_reliability.py
+    signals it 1 s after start); the planner and the trainer import torch when they run."""
+    code = "import sys, megabam.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
