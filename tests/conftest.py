@@ -1,7 +1,15 @@
-"""Test-wide environment: CPU DeepSpeed, offline wandb, a per-session data cache, clean /dev/shm.
+"""Test-wide environment: CPU DeepSpeed, offline wandb, a per-session data cache, clean /dev/shm,
+threads sized for the workers.
 
 tests/unit: single process, fast (`pytest tests/unit` while developing); tests/e2e: several processes,
 the CLI, kills and resumes; tests/helpers: what both share (not tests).
+
+pytest runs two workers (pytest-xdist, `-n 2 --dist loadfile` in pyproject.toml: a file's tests stay
+on one worker, so its module fixtures are built once). Most of the suite's time is processes
+starting (imports), which one core runs, so two at a time on the CI machine's 2 cores nearly halve
+it. Each worker, and every process a test starts that does not choose its own, gets
+cores ÷ workers torch threads (megabam/parallel/threads.py's rule, workers for local ranks):
+oversubscribed OpenMP threads ran 5× slower (docs/benchmarks.md, issue 16).
 """
 
 import glob
@@ -10,19 +18,23 @@ import os
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # before anything imports torch
+    from megabam.parallel.threads import available_cores
+
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, available_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    )
 
 import pytest  # noqa: E402
+from helpers.shm import DEEPSPEED, clean_streaming, remove_stale  # noqa: E402
 
 
 @pytest.fixture
 def clean_shm():
     """Streaming keeps per-dataset state in /dev/shm; remove what a test leaves behind."""
-    from megabam.data.streaming_import import import_streaming
-
-    clean = import_streaming().base.util.clean_stale_shared_memory
-    clean()
+    clean_streaming()
     yield
-    clean()
+    clean_streaming()
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +45,8 @@ def data_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True, scope="session")
 def _remove_deepspeed_shm_buffers():
-    """DeepSpeed's CPU all-reduce leaves a shared-memory buffer per rank and port; remove ours."""
-    before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    """DeepSpeed's CPU all-reduce leaves a shared-memory buffer per rank and port; remove ours (those
+    made during the session that no live process of the other worker still maps)."""
+    before = set(glob.glob(DEEPSPEED))
     yield
-    for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
-        os.remove(path)
+    remove_stale(DEEPSPEED, only=set(glob.glob(DEEPSPEED)) - before)

@@ -8,16 +8,15 @@ def import_streaming() -> types.ModuleType:
     """Return the ``streaming`` module, importable without a working torchvision.
 
     ``streaming/__init__.py`` eagerly imports ``streaming.vision`` and ``streaming.multimodal``,
-    which import torchvision. On the CPU stack torchvision is absent, or installed but unable to
-    load beside CPU torch, so ``import streaming`` would fail although megabam uses neither
-    subpackage. In that case empty stand-ins for the two are registered before the first import.
+    which import torchvision, and ``streaming.text``, which imports transformers' AutoTokenizer
+    (and with it scikit-learn and torch.distributed.tensor: 2-5 s of every training process's
+    start). On the CPU stack torchvision is absent, or installed but unable to load beside CPU
+    torch, so ``import streaming`` would fail. megabam uses only ``streaming.base`` (the dataset,
+    the MDS writer), so empty stand-ins for the three are registered before the first import.
     """
     if "streaming" not in sys.modules:
-        try:
-            import torchvision  # noqa: F401
-        except Exception:  # absent, or broken ("operator torchvision::nms does not exist")
-            for name in ("streaming.vision", "streaming.multimodal"):
-                sys.modules.setdefault(name, types.ModuleType(name))
+        for name in ("streaming.vision", "streaming.multimodal", "streaming.text"):
+            sys.modules.setdefault(name, types.ModuleType(name))
     import streaming
 
     return streaming

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.shm import clean_streaming
 
 from megabam.data.errors import DataError
 from megabam.data.loader import build_loader
 from megabam.data.mixture import StreamSpec
 from megabam.data.packing import pack_documents
 from megabam.data.shards import write_mds
-from megabam.data.streaming_import import import_streaming
 from megabam.parallel.layout import ParallelLayout
 from megabam.parallel.ranks import free_port, rank_environment
 
@@ -73,7 +73,7 @@ def run_ranks(world, args):
         procs.append(subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, json.dumps(args)], env=env, cwd=REPO))
     for p in procs:
         assert p.wait(timeout=120) == 0
-    import_streaming().base.util.clean_stale_shared_memory()
+    clean_streaming()
     return [np.load(Path(args["out"]) / f"rank{r}.npy") for r in range(world)]
 
 
@@ -175,7 +175,7 @@ def test_mixture_proportions_and_repeats(tmp_path):
     # weights 1:3 → a quarter of the epoch (of default size len(a) + len(b) = 400) from b
     total, from_b = count_b([StreamSpec(str(tmp_path / "a"), weight=3.0), StreamSpec(str(tmp_path / "b"), weight=1.0)])
     assert total == 400 and abs(from_b / total - 0.25) <= 0.01
-    import_streaming().base.util.clean_stale_shared_memory()
+    clean_streaming()
     total, from_b = count_b([StreamSpec(str(tmp_path / "a"), repeat=1.0), StreamSpec(str(tmp_path / "b"), repeat=2.0)])
     assert (total, from_b) == (len(a) + 2 * len(b), 2 * len(b))
 

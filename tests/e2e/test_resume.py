@@ -4,6 +4,7 @@ config changes — the resumed run must repeat the uninterrupted run's losses ex
 import json
 import os
 import random
+import shutil
 import signal
 
 import psutil
@@ -88,11 +89,18 @@ class NotATensor:
     """Any object but tensors and plain data: what a crafted checkpoint file might hold."""
 
 
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory, data_cache):
+    root = tmp_path_factory.mktemp("six_steps")
+    megabam_train(root, data_cache, "run.name=damaged", *RUN[1:], "train.steps=6")
+    return root / "damaged"
+
+
 @pytest.mark.parametrize(
     "damage", ["truncate", "no-manifest", "manifest-without-files", "manifest-a-list", "non-tensor-pickle"]
 )
-def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, data_cache, damage):
-    megabam_train(tmp_path, data_cache, "run.name=damaged", *RUN[1:], "train.steps=6")
+def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, data_cache, damage, six_steps):
+    shutil.copytree(six_steps, tmp_path / "damaged")  # each damage on its own copy of one run
     newest = tmp_path / "damaged" / "checkpoints" / "step_00000006"
     if damage == "truncate":
         shard = next(newest.glob("*optim_states.pt"))

@@ -3,6 +3,8 @@
 import json
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -259,3 +261,40 @@ def test_build_default_dataset_loser_of_race_uses_winner(tmp_path, monkeypatch):
     ds = build_default_dataset(tmp_path, **args)
     assert (ds.train_dir.parent / "marker").read_text() == "winner"
     assert [p.name for p in tmp_path.iterdir()] == [ds.train_dir.parent.name]
+
+
+def test_streaming_imports_without_its_tokenizer_and_vision_parts():
+    """streaming.text would import transformers' AutoTokenizer (and scikit-learn): ~2.4 s of every
+    training process's start; megabam uses streaming.base only."""
+    code = (
+        "import sys\n"
+        "from megabam.data.streaming_import import import_streaming\n"
+        "s = import_streaming()\n"
+        "assert s.StreamingDataset and s.MDSWriter and s.base.util.clean_stale_shared_memory\n"
+        "heavy = ('transformers.models.auto.tokenization_auto', 'sklearn', 'torchvision')\n"
+        "print([m for m in heavy if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_shared_memory_cleanup_spares_what_another_live_process_maps():
+    """tests/helpers/shm.py: the suite's two workers clean /dev/shm without breaking each other."""
+    from helpers.shm import remove_stale
+
+    held, stale = (f"/dev/shm/megabam_test_{os.getpid()}_{name}" for name in ("held", "stale"))
+    for path in (held, stale):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    code = (
+        f"import mmap, sys; f = open({held!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0); "
+        "print('mapped', flush=True); sys.stdin.read()"
+    )
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "mapped"
+        remove_stale(f"/dev/shm/megabam_test_{os.getpid()}_*")
+        assert os.path.exists(held) and not os.path.exists(stale)
+    finally:
+        other.communicate("")
+        os.remove(held)
