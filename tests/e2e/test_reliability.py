@@ -5,6 +5,7 @@ during start-up. Each fault is the one a user or a scheduler really produces."""
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers.runs import megabam_train, start_train, wait_for_step
+from helpers.runs import ENV, REPO, megabam_train, start_train, train_command, wait_for_step
 
 from megabam.parallel.distributed import default_extensions_dir
 
@@ -153,12 +154,18 @@ def test_killing_the_launchers_process_group_stops_every_rank(tmp_path, data_cac
 
 def test_a_build_lock_left_by_a_killed_build_is_cleared_with_a_message(tmp_path, data_cache):
     """torch's builder waits for ever on the `lock` file of a build killed midway; megabam, holding its
-    own lock on the folder, knows such a file is stale."""
-    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default_extensions_dir())
+    own lock on the folder, knows such a file is stale. A folder of its own (seeded with the built op
+    when there is one): in the shared one, the other test worker's training would remove the file."""
+    shared, folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default_extensions_dir()), tmp_path / "ext"
+    if shared.is_dir():
+        shutil.copytree(shared, folder, ignore=shutil.ignore_patterns("lock", ".megabam-build.lock"))
     stale = folder / "deepspeed_shm_comm" / "lock"
     stale.parent.mkdir(parents=True, exist_ok=True)
     stale.write_text("")
-    result = megabam_train(tmp_path, data_cache, "run.name=stale", "train.steps=3", "eval.passkey_samples=0")
+    cmd = train_command(tmp_path, data_cache, "run.name=stale", "train.steps=3", "eval.passkey_samples=0")
+    env = dict(ENV, TORCH_EXTENSIONS_DIR=str(folder))
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
     assert f"removed a stale build lock {stale}" in result.stdout and not stale.exists()
 
 
