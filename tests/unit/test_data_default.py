@@ -298,22 +298,3 @@ def test_shared_memory_cleanup_spares_what_another_live_process_maps():
     finally:
         other.communicate("")
         os.remove(held)
-
-
-def test_a_dataset_waits_for_another_job_registering_its_shared_memory_and_says_so(tmp_path, clean_shm, caplog):
-    """Streaming's prefix registration races between jobs starting together on a node (both take the
-    first free prefix; megabam/data/streaming_import.py): the local leader holds a node-wide lock."""
-    from megabam.data.streaming_import import PREFIX_LOCK
-
-    assert write_mds(packed_samples(8, sample_len=17), tmp_path / "mds") == 8
-    code = (
-        f"import fcntl, os, sys, time; fd = os.open({str(PREFIX_LOCK)!r}, os.O_RDONLY | os.O_CREAT, 0o666); "
-        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1.5)"
-    )
-    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert other.stdout.readline().strip() == "held"
-    start = time.monotonic()
-    batches = list(build_loader(tmp_path / "mds", micro_batch_size=4, shuffle=False, seed=0))
-    assert len(batches) == 2 and time.monotonic() - start > 0.5  # it waited for the holder
-    assert other.wait(timeout=30) == 0
-    assert f"waiting for another job on this node to register its dataset ({PREFIX_LOCK})" in caplog.text
