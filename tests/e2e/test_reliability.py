@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers.runs import ENV, REPO, megabam_train, start_train, train_command, wait_for_step
+from helpers.runs import megabam_train, start_train, wait_for_step
 
 from megabam.parallel.distributed import default_extensions_dir
 
@@ -162,10 +162,14 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_with_a_message(tmp_path,
     stale = folder / "deepspeed_shm_comm" / "lock"
     stale.parent.mkdir(parents=True, exist_ok=True)
     stale.write_text("")
-    cmd = train_command(tmp_path, data_cache, "run.name=stale", "train.steps=3", "eval.passkey_samples=0")
-    env = dict(ENV, TORCH_EXTENSIONS_DIR=str(folder))
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = megabam_train(
+        tmp_path,
+        data_cache,
+        "run.name=stale",
+        "train.steps=3",
+        "eval.passkey_samples=0",
+        env={"TORCH_EXTENSIONS_DIR": str(folder)},
+    )
     assert f"removed a stale build lock {stale}" in result.stdout and not stale.exists()
 
 

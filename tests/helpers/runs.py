@@ -57,10 +57,10 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", MEGABAM_PYTHON=sys.executable)
 
 
 def megabam_train(
-    run_root: Path, cache: Path, *overrides, resume=False, nproc=1, check=True, config=CONFIG, nan_steps=()
+    run_root: Path, cache: Path, *overrides, resume=False, nproc=1, check=True, config=CONFIG, nan_steps=(), env=None
 ):
     cmd = train_command(run_root, cache, *overrides, resume=resume, nproc=nproc, config=config, nan_steps=nan_steps)
-    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=600, cwd=REPO)
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result

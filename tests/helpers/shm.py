@@ -1,9 +1,9 @@
 """Removing shared memory that killed or finished processes left in /dev/shm, without touching
 what a live process of another test still uses.
 
-Streaming's own clean_stale_shared_memory() unlinks every streaming segment on the machine, and
-tests run two at a time (pytest-xdist), so a cleanup in one test would pull the state out from
-under a training of the other. Here a segment is stale unless a live process other than this one
+Streaming's own clean_stale_shared_memory() unlinks every streaming segment on the machine, so
+with tests run two at a time (pytest-xdist `-n 2`) a cleanup in one test would pull the state out
+from under a training of the other. Here a segment is stale unless a live process other than this one
 maps it (/proc/PID/maps lists every mapped /dev/shm file); this process's own segments go, as
 streaming's cleanup would take them (a dataset of the test that is no longer used).
 """

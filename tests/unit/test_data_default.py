@@ -279,7 +279,7 @@ def test_streaming_imports_without_its_tokenizer_and_vision_parts():
 
 
 def test_shared_memory_cleanup_spares_what_another_live_process_maps():
-    """tests/helpers/shm.py: the suite's two workers clean /dev/shm without breaking each other."""
+    """tests/helpers/shm.py: two test workers clean /dev/shm without breaking each other."""
     from helpers.shm import remove_stale
 
     held, stale = (f"/dev/shm/megabam_test_{os.getpid()}_{name}" for name in ("held", "stale"))
