@@ -4,11 +4,11 @@ threads sized for the workers.
 tests/unit: single process, fast (`pytest tests/unit` while developing); tests/e2e: several processes,
 the CLI, kills and resumes; tests/helpers: what both share (not tests).
 
-With `-n 2 --dist loadfile` pytest runs two workers (pytest-xdist; a file's tests stay on one worker,
-so its module fixtures are built once; not the default yet: docs/benchmarks.md). Most of the suite's time is processes
-starting (imports), which one core runs, so two at a time on the CI machine's 2 cores nearly halve
-it. Each worker, and every process a test starts that does not choose its own, gets
-cores ÷ workers torch threads (megabam/parallel/threads.py's rule, workers for local ranks):
+pytest runs two workers (pytest-xdist, `-n 2 --dist loadfile` in pyproject.toml; a file's tests stay
+on one worker, so its module fixtures are built once). Most of the suite's time is processes starting
+(imports), which one core runs, so two at a time on the CI machine's 2 cores nearly halve it. Each
+worker, and every process a test starts that does not choose its own, gets cores ÷ workers torch
+threads (megabam/parallel/threads.py's rule, workers for local ranks):
 oversubscribed OpenMP threads ran 5× slower (docs/benchmarks.md, issue 16).
 """
 

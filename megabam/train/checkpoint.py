@@ -168,16 +168,16 @@ def _all_written(failure: Exception | None, root: Path, tag: str, device) -> Non
     dist.all_reduce(failed)
     if failed.item() == 0:
         return
-    if dist.get_rank() == 0:
-        shutil.rmtree(root / f".tmp-{tag}", ignore_errors=True)
     previous = next((t for t in list_tags(root.parent) if t != tag), None)
     kept = f"the previous checkpoint {root / previous} is intact" if previous else "no earlier checkpoint exists"
     if failure is None:
         reason = "a write failed on another rank"
-    elif shutil.disk_usage(root).free < 1 << 20:
+    elif shutil.disk_usage(root).free < 1 << 20:  # before the partial save is removed and frees space
         reason = os.strerror(errno.ENOSPC)
     else:
         reason = getattr(failure, "strerror", None) or str(failure).splitlines()[0]
+    if dist.get_rank() == 0:
+        shutil.rmtree(root / f".tmp-{tag}", ignore_errors=True)
     raise CheckpointError(f"saving {root / tag} failed ({reason}); {kept}")
 
 

@@ -200,3 +200,62 @@ def test_corrupted_remote_shard_raises_instead_of_ending_the_epoch(tmp_path):
     )
     with pytest.raises(DataError, match="Checksum failure"):
         list(loader)
+
+
+# Each rank of one of two jobs: join its job's gloo group, build a loader over the shared dataset,
+# wait until all four ranks of both jobs hold a live dataset, read its share, save rows and prefix.
+# With `skew`, this rank's own scan answers one prefix higher than its leader's, as when another
+# job registered in between: streaming's ranks would then disagree (megabam/data/shm_prefix.py).
+_JOB_SCRIPT = textwrap.dedent(
+    """
+    import glob, json, os, sys, time
+    import numpy as np
+    import torch.distributed as dist
+    from megabam.data.loader import build_loader
+    from megabam.data.streaming_import import import_streaming
+
+    args = json.loads(sys.argv[1])
+    import_streaming()
+    from streaming.base.shared import prefix as streaming_prefix
+    if args["skew"]:
+        scan = streaming_prefix._check_and_find_retrying
+        streaming_prefix._check_and_find_retrying = lambda *a, **k: scan(*a, **k) + 1
+    dist.init_process_group("gloo")
+    loader = build_loader(args["mds"], micro_batch_size=2, shuffle=False, seed=0)
+    me = f"{args['out']}/{args['job']}{dist.get_rank()}"
+    open(me + ".ready", "w").close()
+    deadline = time.monotonic() + 60
+    while len(glob.glob(f"{args['out']}/*.ready")) < 4:
+        assert time.monotonic() < deadline, "the other job's ranks never built their datasets"
+        time.sleep(0.05)
+    np.save(me + ".npy", np.concatenate([b["input_ids"].numpy() for b in loader]))
+    json.dump(loader.dataset._shm_prefix_int, open(me + ".json", "w"))
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_two_jobs_starting_together_on_a_node_each_get_a_prefix_their_ranks_agree_on(tmp_path):
+    samples = write_dataset(tmp_path / "mds", 16, 9, 4, 500, seed=3)
+    (tmp_path / "out").mkdir()
+    procs = []
+    for job in ("a", "b"):
+        port = free_port()
+        for rank in range(2):
+            args = dict(mds=str(tmp_path / "mds"), out=str(tmp_path / "out"), job=job, skew=(job, rank) == ("a", 1))
+            env = dict(os.environ, **rank_environment(rank, 2, port), OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen([sys.executable, "-c", _JOB_SCRIPT, json.dumps(args)], env=env, cwd=REPO))
+    try:
+        assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+        clean_streaming()
+    out = tmp_path / "out"
+    prefix = {name: json.loads((out / f"{name}.json").read_text()) for name in ("a0", "a1", "b0", "b1")}
+    assert prefix["a0"] == prefix["a1"] != prefix["b0"] == prefix["b1"]
+    for job in ("a", "b"):  # each job read every sample once, its two ranks disjoint halves
+        rows = [rows_of(np.load(out / f"{job}{rank}.npy")) for rank in range(2)]
+        assert len(rows[0]) == len(rows[1]) == 8 and set(rows[0]).isdisjoint(rows[1])
+        assert set(rows[0]) | set(rows[1]) == {tuple(s.tokens[:-1]) for s in samples}

@@ -208,17 +208,23 @@ def test_a_full_disk_during_a_save_says_the_previous_checkpoint_is_intact(tmp_pa
         run = ["run.name=full", "checkpoint.every=3", "checkpoint.keep=5", "logging.wandb_mode=disabled"]
         proc = start_train(disk, data_cache, *run, "train.steps=100000", log=tmp_path / "full.log")
         wait_for_step(disk / "full", 4, proc)  # the step-3 checkpoint is complete
-        saved = disk / "full" / "checkpoints" / "step_00000003"
-        before = digests(saved)
+        # The job is paused while the disk fills, so no save completes in between (one did, under load).
+        os.killpg(proc.pid, signal.SIGSTOP)
+        checkpoints = disk / "full" / "checkpoints"
+        before = {p.name: digests(p) for p in checkpoints.glob("step_*")}
         _fill(disk / "filler")
+        os.killpg(proc.pid, signal.SIGCONT)
         assert proc.wait(timeout=300) == 2
+        saved = checkpoints / max(before)
         last = (tmp_path / "full.log").read_text().strip().splitlines()[-1]
-        assert last.startswith(f"megabam: error: saving {disk / 'full' / 'checkpoints'}/step_")
+        assert last.startswith(f"megabam: error: saving {checkpoints}/step_")
         assert last.endswith(f"failed (No space left on device); the previous checkpoint {saved} is intact")
-        assert digests(saved) == before and not list(saved.parent.glob(".tmp-*"))
+        assert {p.name: digests(p) for p in checkpoints.glob("step_*")} == before
+        assert not list(checkpoints.glob(".tmp-*"))
         (disk / "filler").unlink()
-        resumed = megabam_train(disk, data_cache, *run, "train.steps=5")
-        assert f"resumed from {saved} at step 3" in resumed.stdout
+        step = int(saved.name.removeprefix("step_"))
+        resumed = megabam_train(disk, data_cache, *run, f"train.steps={step + 2}")
+        assert f"resumed from {saved} at step {step}" in resumed.stdout
     finally:
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -298,3 +298,35 @@ def test_shared_memory_cleanup_spares_what_another_live_process_maps():
     finally:
         other.communicate("")
         os.remove(held)
+
+
+def test_a_dataset_takes_the_next_prefix_when_another_job_registers_between_its_scan_and_claim(
+    tmp_path, clean_shm, monkeypatch
+):
+    """Streaming's prefix race between jobs starting together on a node (megabam/data/shm_prefix.py):
+    another job creates the first free prefix's `locals` segment just after this job's scan found it
+    free. Streaming's own registration then fails; megabam's takes the next prefix and reads."""
+    import_streaming()
+    from streaming.base.shared import SharedMemory
+    from streaming.base.shared import prefix as streaming_prefix
+    from streaming.base.world import World
+
+    assert write_mds(packed_samples(8, sample_len=17), tmp_path / "mds") == 8
+    scan, others = streaming_prefix._check_and_find_retrying, []
+
+    def scan_then_another_job_registers(local, remote, shm_name, retry):
+        found = scan(local, remote, shm_name, retry)
+        if shm_name == "locals":
+            others.append((found, SharedMemory(streaming_prefix._get_path(found, "locals"), True, 16)))
+        return found
+
+    monkeypatch.setattr(streaming_prefix, "_check_and_find_retrying", scan_then_another_job_registers)
+    try:
+        with pytest.raises(FileExistsError):
+            streaming_prefix.get_shm_prefix([str(tmp_path / "mds")], [None], World(1, 1, 1, 0))
+        loader = build_loader(tmp_path / "mds", micro_batch_size=4, shuffle=False, seed=0)
+        assert loader.dataset._shm_prefix_int == others[-1][0] + 1
+        assert len(list(loader)) == 2
+    finally:
+        for _, shm in others:
+            shm.cleanup()
