@@ -68,7 +68,11 @@ def _claim(streams_local: list[str], prefix_int: int) -> tuple[int, SharedMemory
 
 def _leaders_choice(prefix_int: int, world: World) -> int:
     """Every rank's copy of its node's local leader's prefix (streaming numbers ranks node by node)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":  # this rank's GPU: the dataset is built before DeepSpeed sets one
+        from megabam.parallel.distributed import rank_device
+
+        device = rank_device()
     mine = torch.tensor([prefix_int], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)

@@ -46,6 +46,11 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
 
 
+def rank_device() -> torch.device:
+    """This rank's device: GPU LOCAL_RANK of the node where CUDA is present, else the CPU."""
+    return torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _build_deepspeed_cpu_op() -> None:
     """The shared-memory communication op DeepSpeed's CPU backend loads in init_distributed (the same
     builder and compatibility test), so that init_distributed finds it built. Nothing on a GPU."""

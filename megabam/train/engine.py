@@ -1,7 +1,6 @@
 """The DeepSpeed engine around this rank's parallel model, and how one step runs on it."""
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch.distributed as dist
 
 from megabam.config.schema import Config
 from megabam.model import Decoder
+from megabam.parallel.distributed import rank_device
 from megabam.parallel.parallelize import ParallelModel, parallelize
 from megabam.parallel.topology import Topology
 from megabam.plan.counts import training_flops_per_token
@@ -149,8 +149,7 @@ def build_engine(cfg: Config, topology: Topology) -> TrainingEngine:
         lr_scheduler=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.steps),
         config=deepspeed_config(cfg, sum(p.numel() for p in parallel.module.parameters())),
     )
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
-    return TrainingEngine(engine, parallel, topology, device, params, flops_per_token)
+    return TrainingEngine(engine, parallel, topology, rank_device(), params, flops_per_token)
 
 
 def tracked_step(engine: TrainingEngine, micro_batches: list[dict], window: int | None) -> tuple[torch.Tensor, int]:

@@ -126,3 +126,17 @@ def test_bad_launcher_variables_are_named(change, key):
 def test_no_launcher_is_a_one_rank_world_on_loopback():
     got = launch_environment({})
     assert (got["RANK"], got["WORLD_SIZE"], got["LOCAL_WORLD_SIZE"], got["MASTER_ADDR"]) == ("0", "1", "1", "127.0.0.1")
+
+
+def test_each_rank_takes_the_gpu_of_its_local_rank_and_the_cpu_without_cuda(monkeypatch):
+    """megabam/parallel/distributed.py: the engine's device, and the one the dataset's prefix is
+    all-gathered on under NCCL (before DeepSpeed sets a current GPU, every rank's is GPU 0)."""
+    import torch
+
+    from megabam.parallel.distributed import rank_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rank_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert rank_device() == torch.device("cuda", 3)
