@@ -63,7 +63,6 @@ def _claim(streams_local: list[str], prefix_int: int) -> tuple[int, SharedMemory
             continue  # another job registered it since the scan
         shm.buf[: len(data)] = data
         return candidate, shm
-    raise AssertionError("unreachable")
 
 
 def _leaders_choice(prefix_int: int, world: World) -> int:
