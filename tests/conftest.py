@@ -54,7 +54,7 @@ def _remove_deepspeed_shm_buffers():
 
 # The longest files, longest first (per-file sums of a `--durations=0` run on 2026-12-02), so that no
 # long file starts near the end while the other worker has nothing left: alphabetically test_resume.py
-# and test_train.py (~40 % of the e2e time) came after most other files. With this order the two
+# and test_train.py (~30 % of the e2e time) came after most other files. With this order the two
 # workers' busy time summed to 97 % of twice the wall time. Other files keep their order after these.
 LONGEST_FIRST = [
     "e2e/test_resume.py",
