@@ -100,92 +100,135 @@ def query_factor(p: BamParams, log_n: Tensor | None) -> Tensor | float:
 def add_prior(logits: Tensor, prior: Tensor, log_n: Tensor | None, p: BamParams) -> Tensor:
     """logits (.., H, R, C) += the prior's term, in place: prior·c when SSMax scales the prior too (the
     default), the prior alone without SSMax or with ssmax_before_prior; prior (H, R, C)."""
-    if p.s is None or p.ssmax_before_prior:
+    if not prior_scaled(p):
         return logits.add_(prior)
     return logits.addcmul_(prior, p.s[:, None, None] * log_n)
 
 
+def prior_scaled(p: BamParams) -> bool:
+    """Whether SSMax's c = s·ln n_i multiplies the prior too (the default) rather than q·k alone."""
+    return p.s is not None and not p.ssmax_before_prior
+
+
+def offset_tables(p: BamParams, qs: int, R: int, ks: int, C: int, window: int | None, dtype, device):
+    """The mask table (1, R + C - 1: 0 or -inf for causal and window) and the prior_terms tuple (None
+    without a prior) of the tile of query rows qs.. against keys ks.. in reverse order, at the
+    tile's R + C - 1 offsets j - i: entry (i, c) is key ks + C - 1 - c, at offset
+    (ks + C - 1 - c) - (qs + i), table position i + c (toeplitz_tile)."""
+    delta = (ks + C - 1 - qs) - torch.arange(R + C - 1, device=device)
+    outside = (delta > 0) | ((delta <= -window) if window is not None else False)
+    mask = torch.zeros(delta.shape, dtype=dtype, device=device).masked_fill_(outside, -math.inf)[None]
+    return mask, None if p.alpha is None else prior_terms(p, delta)
+
+
+def prior_grads(sums: Tensor, prior: tuple, p: BamParams) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """This tile's (dθα, dθβ, dθμ before its 2·cosh(θμ) factor or None, the prior's part of ds or
+    None) per head, from `sums` (H, R + C - 1): dL/dlogits summed over the tile's entries at each
+    offset, each weighted by ln n_i when the prior is scaled by c (prior_scaled)."""
+    pr, live, log_a, d = prior
+    ds = None
+    dpr = sums
+    if prior_scaled(p):
+        ds = (sums * pr).sum(1)
+        dpr = sums * p.s[:, None]
+    g = torch.where(live, dpr * pr, 0)  # dL/d(exponent θα + θβ·log_a)
+    dm = None
+    if p.mu is not None:  # d|d|/dμ = -sign(d); d(a^β)/da = β·a^β/a
+        dm = -(g * p.beta[:, None] * d.sign() / (d.abs() + EPS)).sum(1)
+    return g.sum(1), (g * log_a).sum(1), dm, ds
+
+
 def toeplitz_tile(table: Tensor, R: int, C: int) -> Tensor:
-    """tile[h, i, j] = table[h, j - i + R - 1]: a tile of R rows and C columns of a function of j - i
-    given at its R + C - 1 offsets. Window w of unfold starts at offset w, so row i is window
-    R - 1 - i: the windows in reverse (one copy; a gather by index costs several times more)."""
-    return table.unfold(1, C, 1).flip(1)
+    """tile[h, i, c] = table[h, i + c]: an (H, R, C) tile of a function of j - i given at its R + C - 1
+    offsets, for keys in reverse order (column c is the block's key C - 1 - c): then j - i falls by
+    one along both a row and a column, so the tile is a function of i + c, unfold's windows as they
+    come (a strided view, no copy). In key order it would need a negative stride, and the copy that
+    reverses it cost ~3x the tile's matmul; reversing k and v once per call costs N·D."""
+    return table.unfold(1, C, 1)
 
 
 def diagonal_sums(tile: Tensor) -> Tensor:
-    """out[h, m] = Σ_i tile[h, i, m - (R - 1) + i]: the sums of an (H, R, C) tile along each diagonal
-    j - i = m - (R - 1), the adjoint of toeplitz_tile. Padding each row with R - 1 zeros on both sides
-    and reading the rows with one extra element of stride shifts row i left by i, so the diagonals
+    """out[h, m] = Σ_i tile[h, i, m - i]: the sums of an (H, R, C) tile along each anti-diagonal
+    i + c = m, the adjoint of toeplitz_tile. Padding each row with R - 1 zeros on both sides and
+    reading the rows with one element less of stride shifts row i right by i, so the anti-diagonals
     line up as columns (one copy and a column sum; a scatter-add by index costs several times more)."""
     H, R, C = tile.shape
     padded = torch.nn.functional.pad(tile, (R - 1, R - 1))
     width = C + 2 * R - 2
-    return padded.as_strided((H, R, R + C - 1), (R * width, width + 1, 1)).sum(1)
+    return padded.as_strided((H, R, R + C - 1), (R * width, width - 1, 1), padded.storage_offset() + R - 1).sum(1)
 
 
-def block_logits(q: Tensor, k: Tensor, qs: int, ks: int, lo: Tensor, p: BamParams) -> tuple[Tensor, Tile]:
-    """Masked logits (B, H, R, C) of query rows qs.. against keys ks.., and the Tile the backward needs.
+def block_logits(
+    q: Tensor, k: Tensor, qs: int, ks: int, lo: Tensor, p: BamParams, window: int | None = None
+) -> tuple[Tensor, Tile]:
+    """Masked logits (B, H, R, C) of query rows qs.. against keys ks.. **in reverse key order**
+    (column c is key ks + C - 1 - c: see toeplitz_tile), and the Tile the backward needs.
 
-    q: (B, H, R, D) and k: (B, H, C, D) in the compute dtype, lo: (B or 1, R) key starts of the rows.
-    Logits are (q·f)·kᵀ + the prior's term (query_factor, add_prior) + the mask (0 / -inf: masked
-    entries are -inf, so exp() makes them exactly 0), added in place to the matmul's output: the logit
-    tile is the op's largest tensor, and each pass over it costs about as much as the matmul itself
-    at these head sizes.
+    q: (B, H, R, D) and k: (B, H, C, D) (its rows in that reverse order) in the compute dtype, lo:
+    (B or 1, R) key starts of the rows, window: the call's window (lo holds it too; here it goes into
+    the mask's offset table). Logits are (q·f)·kᵀ + the prior's term (query_factor, add_prior) + the
+    mask (0 / -inf: masked entries are -inf, so exp() makes them exactly 0), added in place to the
+    matmul's output: the logit tile is the op's largest tensor, and each pass over it costs about as
+    much as the matmul itself at these head sizes.
     """
     R, C = q.shape[-2], k.shape[-2]
     rows = torch.arange(qs, qs + R, device=q.device)
-    cols = torch.arange(ks, ks + C, device=q.device)
     log_n = None if p.s is None else torch.log((rows - lo + 1).to(q.dtype))[:, None, :, None]
     f = query_factor(p, log_n)
     qf = q * f
     logits = torch.matmul(qf, k.transpose(-1, -2))
-    prior = None
-    if p.alpha is not None:
-        # The prior depends on j - i only: evaluate it once per offset (R + C - 1 values, not R·C)
-        # and read the tile from that Toeplitz table.
-        first = ks - (qs + R - 1)
-        prior = prior_terms(p, torch.arange(first, ks + C - qs, device=q.device))
-        add_prior(logits, toeplitz_tile(prior[0], R, C), log_n, p)
-    # The mask as an additive tile (B or 1, 1, R, C): masked_fill_ with a broadcast mask costs ~10x a
-    # vectorised add on CPU.
-    allowed = (cols[None, None, :] <= rows[None, :, None]) & (cols[None, None, :] >= lo[:, :, None])
-    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, -math.inf)
-    return logits.add_(mask[:, None]), Tile(qf, f, log_n, prior)
+    # The causal and window masks depend on j - i only, like the prior, so they too are a table read
+    # as a Toeplitz view (adding a view costs ~1/5 of building a boolean mask tile and filling it).
+    mask, prior = offset_tables(p, qs, R, ks, C, window, q.dtype, q.device)
+    if prior is not None:
+        if prior_scaled(p):
+            add_prior(logits, toeplitz_tile(prior[0], R, C), log_n, p)
+        else:  # prior and mask in one table, one pass
+            mask = mask + prior[0]
+    logits.add_(toeplitz_tile(mask, R, C))
+    # Documents: rows whose document starts after both the block's first key and their window's
+    # first key need a per-row mask too; only blocks holding a document boundary have such rows.
+    own = (rows - window + 1).clamp(min=ks) if window is not None else torch.full_like(rows, ks)
+    if bool((lo > own).any()):
+        cols = torch.arange(ks + C - 1, ks - 1, -1, device=q.device)
+        logits.add_(torch.where(cols >= lo[:, :, None], 0.0, -math.inf).to(q.dtype)[:, None])
+    return logits, Tile(qf, f, log_n, prior)
 
 
 class _BAMAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, alpha, beta, mu, s, lo, ssmax_before_prior, block, scale):
+    def forward(ctx, q, k, v, alpha, beta, mu, s, lo, ssmax_before_prior, block, scale, window):
         dtype = compute_dtype(q)
         p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale)
-        qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
+        # Keys and values in reverse order (block_logits): keys ks..qe-1 are rows N-qe..N-ks.
+        qc, kc, vc = q.to(dtype), k.to(dtype).flip(2), v.to(dtype).flip(2)
         B, H, N, _ = q.shape
         out = torch.empty(B, H, N, v.shape[-1], dtype=dtype, device=q.device)
         for qs, qe, ks in query_blocks(lo, N, block):
-            logits = block_logits(qc[:, :, qs:qe], kc[:, :, ks:qe], qs, ks, lo[:, qs:qe], p)[0]
+            logits = block_logits(qc[:, :, qs:qe], kc[:, :, N - qe : N - ks], qs, ks, lo[:, qs:qe], p, window)[0]
             # The diagonal is always allowed, so no row is all -inf. Nothing per row is saved: a block
             # holds whole rows, and the backward recomputes the softmax as cheaply as exp(logits - lse).
-            out[:, :, qs:qe] = torch.softmax(logits, -1) @ vc[:, :, ks:qe]
+            out[:, :, qs:qe] = torch.softmax(logits, -1) @ vc[:, :, N - qe : N - ks]
         ctx.save_for_backward(q, k, v, lo, alpha, beta, mu, s)
-        ctx.cfg = (ssmax_before_prior, block, scale)
+        ctx.cfg = (ssmax_before_prior, block, scale, window)
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         q, k, v, lo, alpha, beta, mu, s = ctx.saved_tensors
-        ssmax_before_prior, block, scale = ctx.cfg
+        ssmax_before_prior, block, scale, window = ctx.cfg
         dtype = compute_dtype(q)
         p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale)
-        qc, kc, vc, do = q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype)
+        qc, kc, vc, do = q.to(dtype), k.to(dtype).flip(2), v.to(dtype).flip(2), dout.to(dtype)  # as forward
         _, H, N, _ = q.shape
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
         da, db, dm, ds = (torch.zeros(H, dtype=dtype, device=q.device) for _ in range(4))
         for qs, qe, ks in query_blocks(lo, N, block):
-            qb, kb, vb, dob = qc[:, :, qs:qe], kc[:, :, ks:qe], vc[:, :, ks:qe], do[:, :, qs:qe]
-            logits, t = block_logits(qb, kb, qs, ks, lo[:, qs:qe], p)
+            qb, kb, vb, dob = qc[:, :, qs:qe], kc[:, :, N - qe : N - ks], vc[:, :, N - qe : N - ks], do[:, :, qs:qe]
+            logits, t = block_logits(qb, kb, qs, ks, lo[:, qs:qe], p, window)
             prob = torch.softmax(logits, -1)
-            dv[:, :, ks:qe] += prob.transpose(-1, -2) @ dob
+            dv[:, :, N - qe : N - ks] += prob.transpose(-1, -2) @ dob
             # Softmax backward p⊙(dP - Σ_j p·dP) in one fused pass, with the row sum from the recomputed
             # p rather than rowsum(dO⊙O) (equal in exact arithmetic; a key-tiled kernel must use the
             # latter): consistent with p, a row with one allowed key gets exactly zero logit gradient
@@ -193,36 +236,31 @@ class _BAMAttention(torch.autograd.Function):
             dlogits = torch.ops.aten._softmax_backward_data(dob @ vb.transpose(-1, -2), prob, -1, dtype)
             dqf = dlogits @ kb  # d/d(q·f)
             dq[:, :, qs:qe] = dqf * t.f
-            dk[:, :, ks:qe] += dlogits.transpose(-1, -2) @ t.qf
+            dk[:, :, N - qe : N - ks] += dlogits.transpose(-1, -2) @ t.qf
             if s is not None:
                 # c = s·ln n multiplies q·k·scale (and the prior unless ssmax_before_prior), so
                 # dL/ds = Σ ln n·(dlogits·q·k·scale [+ dlogits·prior]); the q·k part is the row dot
                 # product of q with dlogits @ k (R·D, not R·C).
                 ds += (t.log_n * (dqf * qb).sum(-1, keepdim=True)).sum((0, 2, 3)) * scale
             if t.prior is not None:
-                pr, live, log_a, d = t.prior
                 # The prior tile is Toeplitz, so its gradient is wanted per offset: sums along each
-                # diagonal of dL/dtile (summed over the batch first).
+                # anti-diagonal of dL/dtile (keys reversed; summed over the batch first).
                 batch_sum = dlogits.sum(0) if dlogits.shape[0] > 1 else dlogits[0]
-                if s is None or ssmax_before_prior:
-                    dpr = diagonal_sums(batch_sum)
-                else:  # the prior is scaled by c = s·ln n too
+                per_n = batch_sum
+                if prior_scaled(p):  # the prior is scaled by c = s·ln n too: weight each row by ln n
                     log_n = t.log_n[0] if t.log_n.shape[0] == 1 else None
                     per_n = batch_sum * log_n if log_n is not None else (dlogits * t.log_n).sum(0)
-                    sums = diagonal_sums(per_n)  # Σ over each diagonal of dlogits·ln n
-                    ds += (sums * pr).sum(1)
-                    dpr = sums * p.s[:, None]
-                g = torch.where(live, dpr * pr, 0)  # dL/d(exponent θα + θβ·log_a)
-                da += g.sum(1)
-                db += (g * log_a).sum(1)
-                if mu is not None:  # d|d|/dμ = -sign(d); d(a^β)/da = β·a^β/a
-                    dm -= (g * p.beta[:, None] * d.sign() / (d.abs() + EPS)).sum(1)
+                for total, g in zip((da, db, dm, ds), prior_grads(diagonal_sums(per_n), t.prior, p)):
+                    if g is not None:
+                        total += g
         if mu is not None:
             dm = dm * 2 * torch.cosh(p.mu)
 
+        dk, dv = dk.flip(2), dv.flip(2)
         grads = zip((dq, dk, dv, da, db, dm, ds), (q, k, v, alpha, beta, mu, s))
         return (
             *(g.to(t.dtype) if ctx.needs_input_grad[i] else None for i, (g, t) in enumerate(grads)),
+            None,
             None,
             None,
             None,
@@ -291,7 +329,7 @@ def bam_attention(
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return _BAMAttention.apply(
-        q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo, ssmax_before_prior, block_size, scale
+        q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo, ssmax_before_prior, block_size, scale, window
     )
 
 
@@ -323,15 +361,17 @@ def _in_order(q: Tensor, k: Tensor, v: Tensor, p: BamParams, block: int = 128) -
     """dense_bam_attention of the last C of S in-order positions, block by block, each block against
     the keys up to its last row."""
     dtype = compute_dtype(q)
-    qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
-    q0 = k.shape[2] - q.shape[2]
+    qc, kc, vc = q.to(dtype), k.to(dtype).flip(2), v.to(dtype).flip(2)
+    S = k.shape[2]
+    q0 = S - q.shape[2]
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=dtype, device=q.device)
     lo = torch.zeros((1, block), dtype=torch.long, device=q.device)  # one document from position 0
     for r in range(0, q.shape[2], block):
         rows = min(block, q.shape[2] - r)
         keys = q0 + r + rows  # the keys up to this block's last row
-        logits = block_logits(qc[:, :, r : r + rows], kc[:, :, :keys], q0 + r, 0, lo[:, :rows], p)[0]
-        out[:, :, r : r + rows] = torch.softmax(logits, -1) @ vc[:, :, :keys]
+        # Keys and values in reverse order (block_logits): keys 0..keys-1 are the last `keys` rows.
+        logits = block_logits(qc[:, :, r : r + rows], kc[:, :, S - keys :], q0 + r, 0, lo[:, :rows], p)[0]
+        out[:, :, r : r + rows] = torch.softmax(logits, -1) @ vc[:, :, S - keys :]
     return out.to(q.dtype)
 
 

@@ -75,7 +75,11 @@ def add_repro_parser(sub) -> None:
     rp.add_argument("--out", help="directory of the runs and results (default runs/repro-STUDY)")
     rp.add_argument("--arms", nargs="+", help="arms to run (default: all of the study)")
     rp.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds per arm (default 0 1 2)")
-    rp.add_argument("--steps", type=int, help="training steps per run (default: the config's train.steps)")
+    rp.add_argument(
+        "--steps",
+        type=int,
+        help="training steps per run (default: the study's, bam 1200; swax: its config's train.steps)",
+    )
     rp.add_argument(
         "--lengths", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="multiples of the training length scored"
     )
@@ -109,7 +113,8 @@ def _repro(args) -> list[str]:
     _require(all(0.0 <= d <= 1.0 for d in args.depths), f"--depths must lie in [0, 1], got {args.depths}")
     _require(args.steps is None or args.steps >= 1, f"--steps must be at least 1, got {args.steps}")
     try:  # every arm's config checked before the first run starts
-        configs = [load_config(REPO / study.config, [*study.arms[a], *args.overrides]) for a in arms]
+        default_steps = [f"train.steps={study.steps}"] if study.steps else []
+        configs = [load_config(REPO / study.config, [*default_steps, *study.arms[a], *args.overrides]) for a in arms]
     except ConfigError as e:
         raise BadArgument(str(e)) from None
     steps = args.steps or configs[0].train.steps

@@ -30,6 +30,10 @@ class Study:
     config: str  # relative to the repository
     arms: dict[str, list[str]]  # name → overrides
     niah: bool  # also score RULER's single_1 needle task
+    # Training steps per run unless --steps or a train.steps override says otherwise (None: the
+    # config's). BAM: 1,200, twice the main job's 600, because at 600 only some seeds had begun to
+    # copy; measured over seeds 0-2, GGD + SSMax retrieved from step 600-800 (docs/results.md).
+    steps: int | None = None
 
 
 STUDIES = {
@@ -45,6 +49,7 @@ STUDIES = {
             "nope_ssmax": ["model.attention.positional=nope"],
         },
         niah=False,
+        steps=1200,
     ),
     "swax": Study(
         "yaml_configs/swax_tiny_cpu.yaml",

@@ -154,6 +154,27 @@ def test_no_nan_for_wide_theta(dtype, ssmax):
             assert torch.isfinite(t).all()
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_blocks_inside_one_document_match(window):
+    """A query block whose rows all lie in one document that began before it needs no per-row mask
+    (block_logits leaves it out: the block's first key is the document's); its rows must still see
+    only their own document. One sequence, so the block's key start is that document's start."""
+    g = torch.Generator().manual_seed(5)
+    n = 45
+    q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    theta = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in ([-1.0, 0.3], [0.4, 1.2], [0.7, 1.1])]
+    doc = torch.tensor([[0] * 5 + [1] * 37 + [2] * 3])  # blocks of 8: rows 8..39 wholly inside document 1
+    out = bam_attention(
+        q, k, v, theta_alpha=theta[0], theta_beta=theta[1], ssmax_s=theta[2], doc_ids=doc, window=window, block_size=8
+    )
+    ins = [q, k, v, *theta]
+    grads = torch.autograd.grad(out.square().sum(), ins)
+    ref = dense_reference(q, k, v, theta[0], theta[1], None, s=theta[2], doc_ids=doc, window=window)
+    ref_grads = torch.autograd.grad(ref.square().sum(), ins)
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 def test_gradcheck():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
