@@ -95,6 +95,12 @@ def train_run(study: Study, arm: str, seed: int, out: Path, overrides: list[str]
         raise ArmFailed(f"training {run_name(arm, seed)} failed (exit {code}); its output is in {log}")
 
 
+def evaluation(multiples: list[int], depths: list[float], trials: int) -> dict:
+    """The settings a run's cached result (eval/repro.json) was scored with: a rerun asking for
+    other lengths, depths or trials evaluates the run again instead of reusing it."""
+    return {"lengths": list(multiples), "depths": list(depths), "trials": trials}
+
+
 def evaluate_run(run_dir: Path, multiples: list[int], depths: list[float], trials: int, niah: bool) -> dict:
     """Passkey (and NIAH single_1) scores at each multiple of the training length, the validation loss."""
     from megabam.eval.generate import predict_next
@@ -110,6 +116,7 @@ def evaluate_run(run_dir: Path, multiples: list[int], depths: list[float], trial
         lambda ids: predict_next(trained.model, ids), trained.tokenizer, lengths, depths, trials, 0, "cpu"
     )
     result = {
+        "evaluation": evaluation(multiples, depths, trials),
         "step": trained.meta.step,
         "train_length": n,
         "passkey": {str(m): grid.by_length()[length] for m, length in zip(multiples, lengths)},
@@ -190,15 +197,18 @@ def reproduce(
         run_dir = out / run_name(arm, seed)
         cached = run_dir / "eval" / "repro.json"
         start = time.perf_counter()
-        if cached.is_file():
-            result, what = json.loads(cached.read_text()), "done before"
+        result = json.loads(cached.read_text()) if cached.is_file() else None
+        if result is not None and result.get("evaluation") == evaluation(multiples, depths, trials):
+            what = "done before"
         else:
             trained_before = trained_to_the_end(run_dir, steps)
             if not trained_before:
                 train_run(study, arm, seed, out, [*overrides, f"train.steps={steps}"], log)
             result = evaluate_run(run_dir, multiples, depths, trials, study.niah)
             cached.parent.mkdir(parents=True, exist_ok=True)
-            cached.write_text(json.dumps(result, indent=1) + "\n")
+            partial = cached.with_suffix(".json.partial")  # a kill mid-write leaves no torn result
+            partial.write_text(json.dumps(result, indent=1) + "\n")
+            os.replace(partial, cached)
             what = "evaluated" if trained_before else "trained and evaluated"
             if name == "bam" and (run_dir / "metrics.jsonl").is_file():
                 plot_training(run_dir, out / "plots" / f"{run_name(arm, seed)}-training.png")

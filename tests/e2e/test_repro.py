@@ -38,6 +38,11 @@ def test_repro_trains_evaluates_and_resumes(tmp_path, data_cache):
     third = repro(tmp_path, data_cache)
     assert "[2/2] alibi seed 0: evaluated" in third.stderr
     assert (out / "train.log").read_text() == log, "a finished run was trained again"
+    # Other lengths than a cached result was scored at: each run is evaluated again, not retrained.
+    fourth = repro(tmp_path, data_cache, "--lengths", "1", "3")
+    assert fourth.stderr.count(": evaluated in") == 2
+    assert set(json.loads((out / "results.json").read_text())["alibi"]["0"]["passkey"]) == {"1", "3"}
+    assert (out / "train.log").read_text() == log
 
 
 def test_repro_refuses_unknown_arms_in_one_line(tmp_path):
