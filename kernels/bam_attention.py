@@ -209,18 +209,19 @@ class _BAMAttention(torch.autograd.Function):
             # The diagonal is always allowed, so no row is all -inf. Nothing per row is saved: a block
             # holds whole rows, and the backward recomputes the softmax as cheaply as exp(logits - lse).
             out[:, :, qs:qe] = torch.softmax(logits, -1) @ vc[:, :, N - qe : N - ks]
-        ctx.save_for_backward(q, k, v, lo, alpha, beta, mu, s)
-        ctx.cfg = (ssmax_before_prior, block, scale, window)
+        # The reversed keys and values, not k and v: the backward needs them so, and flipping costs.
+        ctx.save_for_backward(q, kc, vc, lo, alpha, beta, mu, s)
+        ctx.cfg = (ssmax_before_prior, block, scale, window, k.dtype, v.dtype)
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, lo, alpha, beta, mu, s = ctx.saved_tensors
-        ssmax_before_prior, block, scale, window = ctx.cfg
+        q, kc, vc, lo, alpha, beta, mu, s = ctx.saved_tensors
+        ssmax_before_prior, block, scale, window, k_dtype, v_dtype = ctx.cfg
         dtype = compute_dtype(q)
         p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale)
-        qc, kc, vc, do = q.to(dtype), k.to(dtype).flip(2), v.to(dtype).flip(2), dout.to(dtype)  # as forward
+        qc, do = q.to(dtype), dout.to(dtype)
         _, H, N, _ = q.shape
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
         da, db, dm, ds = (torch.zeros(H, dtype=dtype, device=q.device) for _ in range(4))
@@ -257,9 +258,12 @@ class _BAMAttention(torch.autograd.Function):
             dm = dm * 2 * torch.cosh(p.mu)
 
         dk, dv = dk.flip(2), dv.flip(2)
-        grads = zip((dq, dk, dv, da, db, dm, ds), (q, k, v, alpha, beta, mu, s))
+        dtypes = (q.dtype, k_dtype, v_dtype, *(None if t is None else t.dtype for t in (alpha, beta, mu, s)))
         return (
-            *(g.to(t.dtype) if ctx.needs_input_grad[i] else None for i, (g, t) in enumerate(grads)),
+            *(
+                g.to(t) if ctx.needs_input_grad[i] else None
+                for i, (g, t) in enumerate(zip((dq, dk, dv, da, db, dm, ds), dtypes))
+            ),
             None,
             None,
             None,
