@@ -30,6 +30,8 @@ TRITON_KERNELS = {
     "mlstm": ("megabam.kernels.mlstm_triton", "mlstm_chunkwise_triton"),
 }
 
+SDPA_MIN_BLOCK = 256  # query rows per fused call at least (see attention)
+
 log = logging.getLogger(__name__)
 logged_choices: set = set()  # (op, mode, choice) already logged by this process
 
@@ -69,6 +71,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **optio
         op = triton_kernel("attention")
     elif choice == "sdpa":
         op = bam_attention_sdpa.bam_attention_sdpa
+        # Its memory does not grow with the query block (the masks are views, the tiles its own), and
+        # each fused call costs a fixed ~0.3 ms: below SDPA_MIN_BLOCK rows per call the calls cost more
+        # than the masked work a larger diagonal block adds (docs/benchmarks.md, issue 16).
+        options = {**options, "block_size": max(options.get("block_size", SDPA_MIN_BLOCK), SDPA_MIN_BLOCK)}
     else:
         op = bam_attention
     return op(q, k, v, **options)

@@ -2,8 +2,9 @@
 
 Both run the GGD prior (θα, θβ, θμ) and SSMax with every input requiring grad, in float32. Beside
 them, "fused": the CPU path for a prior without gradient (kernels/bam_attention_sdpa.py, torch's flash
-attention with the prior as a Toeplitz bias), run with ALiBi's fixed slopes, no SSMax, gradients for
-q, k, v: its memory must stay linear in N like the tiled op's.
+attention with the prior as a Toeplitz bias, called through kernels/dispatch.py as the model calls
+it), run with ALiBi's fixed slopes, no SSMax, gradients for q, k, v: its memory must stay linear in N
+like the tiled op's.
 
 Method: every (variant, N) case runs in a fresh subprocess, so one case's high-water mark cannot leak
 into the next. The child imports torch, runs a tiny warm-up call (lazy initialisation, thread pools),
@@ -48,11 +49,13 @@ def run_case(args):
     import torch
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from megabam.kernels import dispatch
     from megabam.kernels.bam_attention import bam_attention
-    from megabam.kernels.bam_attention_sdpa import bam_attention_sdpa
     from megabam.model.positional import alibi_slopes
+    from megabam.parallel.threads import configure_cpu
 
-    torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    configure_cpu()  # as a training rank: --threads threads, denormals flushed
 
     def inputs(n):
         g = torch.Generator().manual_seed(0)
@@ -66,7 +69,7 @@ def run_case(args):
             out = dense_attention(*ins, window=args.window)
         elif args.case == "fused":
             slopes = alibi_slopes(args.heads).log()
-            out = bam_attention_sdpa(
+            out = dispatch.attention(  # as the model calls it: the fused op, at least 256 query rows per call
                 *ins[:3],
                 theta_alpha=slopes,
                 theta_beta=torch.ones(args.heads),

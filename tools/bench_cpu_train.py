@@ -6,10 +6,13 @@ random tokens, fp32, 2,048 tokens per step (8 × 256 or 1 × 2,048). The peer is
 LlamaForCausalLM with its `sdpa` attention. megabam runs its CPU path exactly as training does
 (kernels/dispatch.py picks the op; the choice is printed per case).
 
-Method: every (model, length, round) case runs in a fresh subprocess that builds the model, reads
-ru_maxrss (its peak resident set so far), runs `--warmup` untimed and `--steps` timed steps and reads
-it again: tokens/s from the timed steps, "step MiB" the growth of the peak (a training step's whole
-footprint above the built model: activations, gradients, optimizer state, temporaries). Rounds
+Method: every (model, length, round) case runs in a fresh subprocess that sets up the CPU as
+training does (megabam.parallel.threads.configure_cpu: threads sized, denormals flushed; for the
+Llama too; `--setups megabam torch` adds cases that set the thread count alone),
+builds the model, reads ru_maxrss (its peak resident set so far), runs `--warmup` untimed and
+`--steps` timed steps and reads it again: tokens/s from the timed steps, "step MiB" the growth of
+the peak (a training step's whole footprint above the built model: activations, gradients, optimizer
+state, temporaries). Rounds
 interleave the models (round 1: every model, round 2: every model, ...) so that drifts of the
 machine's speed hit every model alike; the table gives the median over rounds, the spread (min–max)
 and the ratio of medians to the Llama's.
@@ -19,6 +22,7 @@ processes at once (two local ranks on this machine, each training its own copy),
 by megabam (cores ÷ local ranks) and with torch's default (every process takes every core).
 
     .venv/bin/python tools/bench_cpu_train.py --lengths 256 2048 --rounds 5
+    .venv/bin/python tools/bench_cpu_train.py --lengths 256 2048 --rounds 3 --setups megabam torch
     .venv/bin/python tools/bench_cpu_train.py --ranks --lengths 256 --rounds 3
 """
 
@@ -48,6 +52,7 @@ MODELS = {
     "swax": ("yaml_configs/swax_tiny_cpu.yaml", []),
 }
 PEER = "llama"
+SETUPS = {"megabam": "configure_cpu", "torch": "threads only"}  # --setups: each process's CPU set-up
 
 
 def megabam_model(name: str, seq_len: int):
@@ -96,11 +101,13 @@ def run_case(args) -> None:
     """Child: train one model for warm-up + timed steps; print one JSON line."""
     import torch
 
-    if args.sized_threads:
-        from megabam.parallel.threads import size_threads
+    if args.torch_threads:  # torch's defaults: every core, nothing else set
+        pass
+    elif args.sized_threads or not args.torch_defaults:  # as training does (OMP_NUM_THREADS=--threads here)
+        from megabam.parallel.threads import configure_cpu
 
-        size_threads()
-    elif args.threads:
+        configure_cpu()
+    else:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, loss_fn, cfg = llama_model(args.seq) if args.case == PEER else megabam_model(args.case, args.seq)
@@ -159,23 +166,27 @@ def spread(values: list[float]) -> str:
 
 def speed_table(args) -> None:
     names = [PEER, *MODELS] if not args.models else [PEER, *args.models]
+    cases = [(setup, name) for setup in args.setups for name in names]
     for seq in args.lengths:
-        runs: dict[str, list[dict]] = {n: [] for n in names}
+        runs: dict[tuple, list[dict]] = {c: [] for c in cases}
         for r in range(args.rounds):
-            for name in names:
-                runs[name].append(result(child(name, seq, args, ["--threads", str(args.threads)])))
+            for setup, name in cases:
+                env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+                extra = ["--threads", str(args.threads)] + (["--torch-defaults"] if setup == "torch" else [])
+                runs[setup, name].append(result(child(name, seq, args, extra, env)))
             print(f"  N={seq}: round {r + 1}/{args.rounds} done", file=sys.stderr)
-        peer = statistics.median(x["tok_s"] for x in runs[PEER])
-        print(f"\nN = {seq} ({max(1, TOKENS_PER_STEP // seq)} × {seq} tokens per step, {args.threads} threads)")
-        print("| model | tokens/s (median) | spread | × Llama | step MiB | op |")
-        print("|---|---:|---:|---:|---:|---|")
-        for name in names:
-            tok = [x["tok_s"] for x in runs[name]]
-            mib = statistics.median(x["step_mib"] for x in runs[name])
-            ops = ", ".join(runs[name][0]["ops"]) or "-"
+        batch = max(1, TOKENS_PER_STEP // seq)
+        print(f"\nN = {seq} ({batch} × {seq} tokens per step, {args.threads} threads)")
+        print("| model | CPU set-up | tokens/s (median) | spread | × Llama | step MiB | op |")
+        print("|---|---|---:|---:|---:|---:|---|")
+        for setup, name in cases:
+            peer = statistics.median(x["tok_s"] for x in runs[setup, PEER])
+            tok = [x["tok_s"] for x in runs[setup, name]]
+            mib = statistics.median(x["step_mib"] for x in runs[setup, name])
+            ops = ", ".join(runs[setup, name][0]["ops"]) or "-"
             label = "transformers Llama (sdpa)" if name == PEER else f"megabam {name}"
             print(
-                f"| {label} | {statistics.median(tok):,.0f} | {spread(tok)} | "
+                f"| {label} | {SETUPS[setup]} | {statistics.median(tok):,.0f} | {spread(tok)} | "
                 f"{statistics.median(tok) / peer:.2f} | {mib:,.0f} | {ops} |"
             )
 
@@ -192,7 +203,7 @@ def ranks_table(args) -> None:
             for _ in range(args.rounds):
                 env = dict(os.environ, LOCAL_WORLD_SIZE=str(ranks))
                 env.pop("OMP_NUM_THREADS", None)
-                extra = ["--sized-threads"] if sized else []
+                extra = ["--sized-threads"] if sized else ["--torch-threads"]
                 procs = [child(name, seq, args, extra, env) for _ in range(ranks)]
                 outs = [result(p) for p in procs]
                 totals.append(sum(o["tok_s"] for o in outs))
@@ -214,9 +225,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--models", nargs="+", choices=list(MODELS), help="megabam models (default: all)")
     ap.add_argument("--ranks", action="store_true", help="the 1 vs 2 local ranks table instead")
+    ap.add_argument(
+        "--setups",
+        nargs="+",
+        choices=list(SETUPS),
+        default=["megabam"],
+        help="each process's CPU set-up, in interleaved rounds: megabam's (training's: configure_cpu), "
+        "torch's defaults (the thread count alone)",
+    )
+    ap.add_argument("--torch-defaults", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sized-threads", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--torch-threads", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
         run_case(args)

@@ -7,7 +7,7 @@ model (yaml_configs/swax_tiny_cpu.yaml), freshly initialised, reads N random tok
 forward over the whole input (`Decoder.forward`, logits for every position), measured at the
 lengths where it is asked for (--one-shot-max).
 Usage: .venv/bin/python tools/bench_long_context.py [--bam 4096 16384 65536] [--swax 65536 1048576]
-       [--chunk 1024] [--one-shot-max 16384] [--threads 2]
+       [--chunk 1024] [--one-shot-max 16384] [--threads 2] [--torch-defaults]
 """
 
 import argparse
@@ -21,13 +21,17 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"bam": "yaml_configs/tiny_cpu.yaml", "swax": "yaml_configs/swax_tiny_cpu.yaml"}
 
 CHILD = r"""
-import json, sys, time
+import json, os, sys, time
 import torch
 from megabam.config import load_config
 from megabam.eval.generate import token_losses
 from megabam.model import Decoder
-config, n, chunk, mode, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-torch.set_num_threads(threads)
+config, n, chunk, mode, keep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "keep"
+if keep:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+else:  # as `megabam eval` does: OMP_NUM_THREADS threads, denormals flushed
+    from megabam.parallel.threads import configure_cpu
+    configure_cpu()
 cfg = load_config(config)
 torch.manual_seed(0)
 model = Decoder(cfg.model).eval()
@@ -45,10 +49,11 @@ print(json.dumps({"s_per_1k": wall / n * 1000, "wall_s": wall, "peak_mib": peak,
 """
 
 
-def measure(model: str, n: int, chunk: int, mode: str, threads: int) -> dict:
+def measure(model: str, n: int, chunk: int, mode: str, threads: int, torch_defaults: bool = False) -> dict:
     # Large blocks mmapped and returned on free: the peak follows live memory, not heap fragmentation.
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MALLOC_MMAP_THRESHOLD_="65536")
-    args = [sys.executable, "-c", CHILD, CONFIGS[model], str(n), str(chunk), mode, str(threads)]
+    setup = "keep" if torch_defaults else "flush"
+    args = [sys.executable, "-c", CHILD, CONFIGS[model], str(n), str(chunk), mode, setup]
     out = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env)
     if out.returncode != 0:
         return {"error": (out.stderr.strip().splitlines() or ["killed"])[-1][:80]}
@@ -62,8 +67,13 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024, help="prefill chunk (tokens)")
     parser.add_argument("--one-shot-max", type=int, default=16384, help="longest input the one-shot peer is run at")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--torch-defaults", action="store_true", help="keep denormals (eval flushes them)")
     args = parser.parse_args()
-    print(f"chunk {args.chunk}, {args.threads} threads; peak = the process's VmHWM (torch and the model included)")
+    flushed = "kept" if args.torch_defaults else "flushed"
+    print(
+        f"chunk {args.chunk}, {args.threads} threads, denormals {flushed}; "
+        "peak = the process's VmHWM (torch and the model included)"
+    )
     print(
         "| model | tokens | chunked s / 1k tok | chunked peak MiB | one-shot s / 1k tok | one-shot peak MiB "
         "| memory ratio |"
@@ -71,8 +81,10 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for model, lengths in (("bam", args.bam), ("swax", args.swax)):
         for n in lengths:
-            chunked = measure(model, n, args.chunk, "chunked", args.threads)
-            peer = measure(model, n, args.chunk, "one-shot", args.threads) if n <= args.one_shot_max else None
+            chunked = measure(model, n, args.chunk, "chunked", args.threads, args.torch_defaults)
+            peer = None
+            if n <= args.one_shot_max:
+                peer = measure(model, n, args.chunk, "one-shot", args.threads, args.torch_defaults)
             cells = [model, f"{n:,}"]
             for row in (chunked, peer):
                 if row is None:

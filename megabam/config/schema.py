@@ -104,7 +104,11 @@ class AttentionConfig:
         True, "Mask attention across packed-document boundaries and count SSMax n_i from the document start."
     )
     rope_theta: float = doc(10000.0, "RoPE base (positional=rope).")
-    block_size: int = doc(128, "Query rows per tile of the attention op; memory grows as block_size·N.")
+    block_size: int = doc(
+        128,
+        "Query rows per tile of the tiled attention op; its memory grows as block_size·N. torch's fused "
+        "op, whose memory does not, takes at least 256 rows per call.",
+    )
     kv_heads: int | None = doc(
         None,
         "Key/value heads (grouped-query attention): each serves model.n_heads / kv_heads consecutive "

@@ -145,12 +145,16 @@ def add_plot_parser(sub) -> None:
 
 
 def _guarded(work) -> int:
-    """Run `work()`, print its lines; bad input (a path, a checkpoint, a value) is one line, exit 2."""
+    """Run `work()`, print its lines; bad input (a path, a checkpoint, a value) is one line, exit 2.
+    torch's threads are sized and flush denormals as in a training rank (a long prompt's far keys under
+    a prior are mostly denormal probabilities: ~3x slower unflushed), before any of the work."""
     from megabam.data.errors import DataError
     from megabam.data.passkey import PromptTooShort
     from megabam.eval.plots import NothingToPlot
+    from megabam.parallel.threads import configure_cpu
     from megabam.train.checkpoint import CheckpointError
 
+    configure_cpu()
     try:
         lines = work()
     except (CheckpointError, DataError, PromptTooShort, BadArgument, NothingToPlot) as e:

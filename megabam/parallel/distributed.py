@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megabam.parallel.ranks import free_port, launch_environment, rank_environment
-from megabam.parallel.threads import size_threads
+from megabam.parallel.threads import configure_cpu
 
 log = logging.getLogger(__name__)
 NOTE_EVERY_S = 30  # how long a start-up wait may last before it says again what it waits for
@@ -31,7 +31,7 @@ def init_distributed() -> None:
     if dist.is_initialized():
         return
     os.environ.update(launch_environment())  # LOCAL_WORLD_SIZE too: streaming and the thread count read it
-    size_threads()  # before any parallel work: ranks sharing a node must not oversubscribe its cores
+    configure_cpu()  # before any parallel work: ranks sharing a node must not oversubscribe its cores
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_extensions_dir()))
     # Built (first start: ~20 s) or loaded under the lock, but outside the rendezvous: a rank holding
     # the lock while it waits for the others to join would wait for ever on those waiting for the lock.

@@ -1,10 +1,18 @@
-"""How many intra-op threads each process gives torch: the cores it may run on ÷ the ranks sharing them.
+"""How each process sets up torch on the CPU: its intra-op threads (the cores it may run on ÷ the
+ranks sharing them), with denormals flushed.
 
 torch's default is one thread per core of the machine in every process, so two ranks on a 2-core box
 run four spinning OpenMP threads on two cores; measured: a run fell from ~7,000 to 200–400 tokens/s.
 `OMP_NUM_THREADS`, when set, wins. torchrun sets it to 1 for several ranks when it is unset, so
 launch/torchrun.sh asks this module first (`python -m megabam.parallel.threads --local-ranks N` prints
 the count) and exports the answer.
+
+The same threads flush denormal floats to zero (x86's FTZ/DAZ). A softmax over a prior's far keys
+(ALiBi's slopes, a GGD prior) is full of probabilities below float32's 1.2e-38, and a CPU computes
+with those ~100× slower: measured, torch's fused attention with ALiBi's bias at 2,048 tokens ran 3.2×
+faster flushed (docs/benchmarks.md). The flag is per thread and OpenMP's workers copy it from the
+main thread only when they start, so it is set before the first parallel op and then checked on
+every thread.
 """
 
 import argparse
@@ -47,14 +55,31 @@ def thread_count(environ=os.environ, cores: int | None = None) -> tuple[int, str
     return max(1, cores // int(local)), f"{cores} cores ÷ {local} local ranks"
 
 
-def size_threads() -> int:
-    """Set torch's intra-op threads for this process (see thread_count) and return the number."""
+def configure_cpu() -> int:
+    """Set torch's intra-op threads for this process (see thread_count), flush denormals on all of
+    them, and return the number."""
     import torch  # here, so the launcher's question does not import torch
 
     threads, why = thread_count()
+    torch.set_flush_denormal(True)  # before set_num_threads and any parallel op: workers copy it at start
     torch.set_num_threads(threads)
     log.info("torch threads per process: %d (%s)", threads, why)
+    if not denormals_flushed(threads):
+        log.warning(
+            "denormal floats are not flushed on every torch thread (its thread pool started before "
+            "configure_cpu): CPU attention with a prior may run up to 3x slower"
+        )
     return threads
+
+
+def denormals_flushed(threads: int) -> bool:
+    """Whether every one of torch's intra-op threads flushes denormals: an elementwise op long enough
+    to be split across all of them (torch splits it in 32,768-element grains) on a denormal input.
+    The input is written as bits: converting 6e-39 to float32 on a flushing thread gives 0."""
+    import torch
+
+    tiny = torch.full((threads * 65536,), 1 << 22, dtype=torch.int32).view(torch.float32)  # 5.9e-39
+    return not bool((tiny * 1.0).count_nonzero())
 
 
 if __name__ == "__main__":

@@ -24,13 +24,22 @@ def test_bench_dry_run():
 
 def test_cpu_training_benchmark_runs_its_table():
     """tools/bench_cpu_train.py: the Llama beside megabam models, each through the op the dispatch
-    point chose, at a tiny size."""
+    point chose, with training's CPU set-up and with the thread count alone, at a tiny size."""
     cmd = [sys.executable, "tools/bench_cpu_train.py", "--lengths", "64", "--rounds", "1", "--steps", "1"]
-    done = subprocess.run(
-        [*cmd, "--warmup", "0", "--models", "rope", "bam+ssmax"], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    cmd += ["--warmup", "0", "--models", "rope", "bam+ssmax", "--setups", "megabam", "torch"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
-    assert rows["transformers Llama (sdpa)"].split("|")[4].strip() == "1.00"
-    assert rows["megabam rope"].endswith("| attention:sdpa |")
-    assert rows["megabam bam+ssmax"].endswith("| attention:reference |")
+    rows = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("| ") and not line.startswith("| model"):
+            cells = [c.strip() for c in line.split("|")[1:-1]]
+            rows[cells[0], cells[1]] = cells
+    assert sorted(rows) == sorted(
+        (model, setup)
+        for model in ("transformers Llama (sdpa)", "megabam rope", "megabam bam+ssmax")
+        for setup in ("configure_cpu", "threads only")
+    )
+    for setup in ("configure_cpu", "threads only"):
+        assert rows["transformers Llama (sdpa)", setup][4] == "1.00"
+        assert rows["megabam rope", setup][6] == "attention:sdpa"
+        assert rows["megabam bam+ssmax", setup][6] == "attention:reference"

@@ -121,3 +121,25 @@ def test_auto_on_cpu_fuses_attention_without_a_prior(attention_ops, caplog):
         "attention op: reference (mode reference, cpu tensors)",
     ]
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_calls_take_at_least_256_query_rows(monkeypatch):
+    """The tiled op's block_size is a memory bound (block_size · N per tile); the fused op's memory does
+    not grow with it, so the dispatch gives it at least SDPA_MIN_BLOCK rows per call and the tiled op
+    exactly the configured block."""
+    seen = []
+    for module, name in ((dispatch, "bam_attention"), (attention_sdpa, "bam_attention_sdpa")):
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, real=real, name=name, **kw: seen.append((name, kw["block_size"])) or real(*a, **kw)
+        )
+    for block in (16, 512):
+        _call(block_size=block)
+        _call(prior=True, block_size=block)
+    assert dispatch.SDPA_MIN_BLOCK == 256
+    assert seen == [
+        ("bam_attention_sdpa", 256),
+        ("bam_attention", 16),
+        ("bam_attention_sdpa", 512),
+        ("bam_attention", 512),
+    ]

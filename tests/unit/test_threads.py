@@ -47,7 +47,7 @@ def test_cgroup_quota_caps_the_affinity(tmp_path):
     assert available_cores(tmp_path / "missing") == affinity
 
 
-PRINT_THREADS = "from megabam.parallel.threads import size_threads; print(size_threads())"
+PRINT_THREADS = "from megabam.parallel.threads import configure_cpu; print(configure_cpu())"
 
 
 def _threads_of_a_process(env: dict, prefix=()) -> int:
@@ -75,3 +75,31 @@ def test_launcher_question_answers_with_the_same_rule():
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "megabam: error: environment: LOCAL_WORLD_SIZE: must be a positive integer, got '0'"
     ]
+
+
+FLUSH_CHECK = (
+    "import torch; {before}from megabam.parallel.threads import configure_cpu, denormals_flushed; "
+    "n = configure_cpu(); tiny = torch.full((n * 65536,), 1 << 22, dtype=torch.int32).view(torch.float32); "
+    "print(n, int((tiny * 1.0).count_nonzero()), denormals_flushed(n))"
+)
+
+
+@pytest.mark.parametrize("pool_started_first", [False, True])
+def test_denormals_are_flushed_on_every_thread_unless_the_pool_started_first(pool_started_first):
+    """Each of two threads computes half of a product of denormals: flushed, every product is zero.
+    Started before configure_cpu, torch's pool keeps an unflushed worker: half the products stay
+    denormal, and configure_cpu says so."""
+    before = "torch.full((1 << 17,), 1.0).mul(2.0); " if pool_started_first else ""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run(
+        [sys.executable, "-c", FLUSH_CHECK.format(before=before)], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    threads, unflushed, flushed = out.stdout.split()
+    assert threads == "2"
+    if pool_started_first:
+        assert (int(unflushed), flushed) == (65536, "False")
+        assert "denormal floats are not flushed on every torch thread" in out.stderr
+    else:
+        assert (int(unflushed), flushed) == (0, "True")
+        assert "not flushed" not in out.stderr
