@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from megabam.config import ConfigError
@@ -62,6 +63,9 @@ def configure_cpu() -> int:
 
     threads, why = thread_count()
     torch.set_flush_denormal(True)  # before set_num_threads and any parallel op: workers copy it at start
+    # numpy then finds float64's smallest subnormal to be 0 when it first describes the type, and says
+    # so in a warning per process: the flag is chosen, not a fault.
+    warnings.filterwarnings("ignore", "The value of the smallest subnormal", UserWarning, r"numpy\.")
     torch.set_num_threads(threads)
     log.info("torch threads per process: %d (%s)", threads, why)
     if not denormals_flushed(threads):

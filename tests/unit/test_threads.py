@@ -103,3 +103,16 @@ def test_denormals_are_flushed_on_every_thread_unless_the_pool_started_first(poo
     else:
         assert (int(unflushed), flushed) == (0, "True")
         assert "not flushed" not in out.stderr
+
+
+def test_numpy_describing_float64_under_the_flag_does_not_warn():
+    """With denormals flushed numpy finds float64's smallest subnormal to be 0 and warns, once per
+    process (matplotlib's import, a plot, an eval): configure_cpu silences that warning alone."""
+    code = (
+        "import warnings; warnings.simplefilter('error'); "
+        "from megabam.parallel.threads import configure_cpu; configure_cpu(); "
+        "import numpy as np; print(np.finfo(np.float64).smallest_subnormal, np.finfo(np.float32).tiny)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "subnormal" not in out.stderr
