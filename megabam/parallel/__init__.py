@@ -4,7 +4,7 @@
 - `topology.py`: the one owner of that layout's process groups (`Topology`, `build_topology`);
 - `distributed.py`: joining the process group (`init_distributed`), a local world for conversions;
 - `ranks.py`: who this process is, from whichever launcher started it (`launch_environment`);
-- `threads.py`: torch's threads per process (cores ÷ local ranks), set when a rank starts;
+- `threads.py`: torch's threads per process (cores ÷ local ranks), flushing denormals, set when a rank starts;
 - `mappings.py`: the TP/SP collectives as autograd functions whose backward is the dual collective;
 - `tensor_parallel.py`: column/row-parallel linears, the vocab-parallel embedding and loss, and
   `apply_tp`, which interprets the modules' tensor-parallel plans (megabam/model/sharding.py);
