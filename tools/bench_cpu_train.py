@@ -8,11 +8,10 @@ LlamaForCausalLM with its `sdpa` attention. megabam runs its CPU path exactly as
 
 Method: every (model, length, round) case runs in a fresh subprocess that sets up the CPU as
 training does (megabam.parallel.threads.configure_cpu: threads sized, denormals flushed; for the
-Llama too; `--setups megabam torch` adds cases that set the thread count alone),
-builds the model, reads ru_maxrss (its peak resident set so far), runs `--warmup` untimed and
-`--steps` timed steps and reads it again: tokens/s from the timed steps, "step MiB" the growth of
-the peak (a training step's whole footprint above the built model: activations, gradients, optimizer
-state, temporaries). Rounds
+Llama too; `--setups megabam torch` adds cases that set the thread count alone), builds the model,
+reads ru_maxrss (its peak resident set so far), runs `--warmup` untimed and `--steps` timed steps and
+reads it again: tokens/s from the timed steps, "step MiB" the growth of the peak (a training step's
+whole footprint above the built model: activations, gradients, optimizer state, temporaries). Rounds
 interleave the models (round 1: every model, round 2: every model, ...) so that drifts of the
 machine's speed hit every model alike; the table gives the median over rounds, the spread (min–max)
 and the ratio of medians to the Llama's.
@@ -101,14 +100,10 @@ def run_case(args) -> None:
     """Child: train one model for warm-up + timed steps; print one JSON line."""
     import torch
 
-    if args.torch_threads:  # torch's defaults: every core, nothing else set
-        pass
-    elif args.sized_threads or not args.torch_defaults:  # as training does (OMP_NUM_THREADS=--threads here)
+    if args.setup == "megabam":  # as training does; else torch's defaults (OMP_NUM_THREADS, or every core)
         from megabam.parallel.threads import configure_cpu
 
         configure_cpu()
-    else:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, loss_fn, cfg = llama_model(args.seq) if args.case == PEER else megabam_model(args.case, args.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -172,8 +167,7 @@ def speed_table(args) -> None:
         for r in range(args.rounds):
             for setup, name in cases:
                 env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-                extra = ["--threads", str(args.threads)] + (["--torch-defaults"] if setup == "torch" else [])
-                runs[setup, name].append(result(child(name, seq, args, extra, env)))
+                runs[setup, name].append(result(child(name, seq, args, ["--setup", setup], env)))
             print(f"  N={seq}: round {r + 1}/{args.rounds} done", file=sys.stderr)
         batch = max(1, TOKENS_PER_STEP // seq)
         print(f"\nN = {seq} ({batch} × {seq} tokens per step, {args.threads} threads)")
@@ -203,8 +197,8 @@ def ranks_table(args) -> None:
             for _ in range(args.rounds):
                 env = dict(os.environ, LOCAL_WORLD_SIZE=str(ranks))
                 env.pop("OMP_NUM_THREADS", None)
-                extra = ["--sized-threads"] if sized else ["--torch-threads"]
-                procs = [child(name, seq, args, extra, env) for _ in range(ranks)]
+                setup = "megabam" if sized else "torch"
+                procs = [child(name, seq, args, ["--setup", setup], env) for _ in range(ranks)]
                 outs = [result(p) for p in procs]
                 totals.append(sum(o["tok_s"] for o in outs))
                 threads = outs[0]["threads"]
@@ -233,11 +227,9 @@ def main() -> None:
         help="each process's CPU set-up, in interleaved rounds: megabam's (training's: configure_cpu), "
         "torch's defaults (the thread count alone)",
     )
-    ap.add_argument("--torch-defaults", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--sized-threads", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--torch-threads", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--setup", choices=list(SETUPS), default="megabam", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
         run_case(args)

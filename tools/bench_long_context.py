@@ -21,17 +21,15 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"bam": "yaml_configs/tiny_cpu.yaml", "swax": "yaml_configs/swax_tiny_cpu.yaml"}
 
 CHILD = r"""
-import json, os, sys, time
+import json, sys, time
 import torch
 from megabam.config import load_config
 from megabam.eval.generate import token_losses
 from megabam.model import Decoder
-config, n, chunk, mode, keep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "keep"
-if keep:
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-else:  # as `megabam eval` does: OMP_NUM_THREADS threads, denormals flushed
+config, n, chunk, mode, setup = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+if setup == "megabam":  # as `megabam eval` does: OMP_NUM_THREADS threads, denormals flushed
     from megabam.parallel.threads import configure_cpu
-    configure_cpu()
+    configure_cpu()  # else torch's defaults: OMP_NUM_THREADS threads, denormals kept
 cfg = load_config(config)
 torch.manual_seed(0)
 model = Decoder(cfg.model).eval()
@@ -52,7 +50,7 @@ print(json.dumps({"s_per_1k": wall / n * 1000, "wall_s": wall, "peak_mib": peak,
 def measure(model: str, n: int, chunk: int, mode: str, threads: int, torch_defaults: bool = False) -> dict:
     # Large blocks mmapped and returned on free: the peak follows live memory, not heap fragmentation.
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MALLOC_MMAP_THRESHOLD_="65536")
-    setup = "keep" if torch_defaults else "flush"
+    setup = "torch" if torch_defaults else "megabam"
     args = [sys.executable, "-c", CHILD, CONFIGS[model], str(n), str(chunk), mode, setup]
     out = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env)
     if out.returncode != 0:
