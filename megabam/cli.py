@@ -16,6 +16,7 @@ from megabam.data.cli import add_data_parser, run_data
 from megabam.eval.cli import add_eval_parser, add_plot_parser, add_repro_parser, run_eval, run_plot, run_repro
 from megabam.launch import add_launch_parser, run_launch
 from megabam.plan.cli import add_plan_parser, run_plan
+from megabam.train.preemption import Preempted, PreemptionFlag, exit_at_start_up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,17 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     return exit_codes.BAD_INPUT
 
 
-def _exit_preempted_at_start(signum, frame) -> None:
-    """SIGTERM/SIGUSR1 before the first step: nothing to save yet, so the requeued job simply starts
-    again. The trainer's own handler (megabam/train/preemption.py) takes over for the steps."""
-    print(
-        f"megabam: {signal.Signals(signum).name} during start-up; nothing to save, exit {exit_codes.PREEMPTED} "
-        "(requeue)",
-        file=sys.stderr,
-    )
-    sys.exit(exit_codes.PREEMPTED)
-
-
 def _die_with_the_launcher() -> None:
     """Under a launcher (torchrun, the deepspeed launcher, mpirun, srun), stop at once when it dies: its
     ranks run in sessions of their own, so a scheduler's kill of the launcher's process group would
@@ -105,8 +95,8 @@ def _record_exit_code(code: int) -> None:
 
 
 def _train(args) -> int:
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, _exit_preempted_at_start)
+    for sig in PreemptionFlag.SIGNALS:
+        signal.signal(sig, exit_at_start_up)
     if args.help_config:
         print("\n".join(describe_config(Config)))
         return exit_codes.OK
@@ -138,7 +128,6 @@ def _train(args) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from megabam.data.errors import DataError
     from megabam.train.checkpoint import CheckpointError
-    from megabam.train.preemption import Preempted
     from megabam.train.run_lock import RunDirError
     from megabam.train.trainer import TooManyBadSteps, train
 

@@ -2,6 +2,24 @@
 its step, checkpoint, and exit with megabam.exit_codes.PREEMPTED so that launch scripts requeue the job."""
 
 import signal
+import sys
+
+from megabam import exit_codes
+
+# The signal that arrived before the trainer's own handler was installed (exit_at_start_up).
+_at_start_up: str | None = None
+
+
+def exit_at_start_up(signum, frame) -> None:
+    """SIGTERM/SIGUSR1 before the first step: nothing to save yet, so the requeued job simply starts
+    again. PreemptionFlag takes over for the steps."""
+    global _at_start_up
+    _at_start_up = signal.Signals(signum).name
+    print(
+        f"megabam: {_at_start_up} during start-up; nothing to save, exit {exit_codes.PREEMPTED} (requeue)",
+        file=sys.stderr,
+    )
+    sys.exit(exit_codes.PREEMPTED)
 
 
 class PreemptionFlag:
@@ -15,6 +33,11 @@ class PreemptionFlag:
         self._previous = {}
 
     def __enter__(self):
+        # Python ignores an exception raised by a handler that runs inside a weakref callback or a
+        # __del__ (seen: importlib's module-lock callback while importing DeepSpeed), so start-up may
+        # have carried on past exit_at_start_up's exit; stop here, before the first step.
+        if _at_start_up is not None:
+            raise SystemExit(exit_codes.PREEMPTED)
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
