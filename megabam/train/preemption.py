@@ -33,13 +33,14 @@ class PreemptionFlag:
         self._previous = {}
 
     def __enter__(self):
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
         # Python ignores an exception raised by a handler that runs inside a weakref callback or a
         # __del__ (seen: importlib's module-lock callback while importing DeepSpeed), so start-up may
         # have carried on past exit_at_start_up's exit; stop here, before the first step.
         if _at_start_up is not None:
+            self.__exit__()
             raise SystemExit(exit_codes.PREEMPTED)
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc):
