@@ -1,6 +1,8 @@
 """The entry points of the ops that have Triton kernels (BAM attention, the chunkwise mLSTM cell): the
 kernel for CUDA tensors; on CPU, for attention calls without a prior that torch's fused attention can
-compute (kernels/bam_attention_sdpa.py: RoPE, NoPE, sinusoidal, SSMax alone), that; otherwise the
+compute (kernels/bam_attention_sdpa.py: RoPE, NoPE, sinusoidal, SSMax alone), that; for the other
+attention calls (a learned prior, documents without a window) the tiled op with its elementwise
+passes in C (kernels/bam_attention_cpu.py, "c_tiles") where its library builds; otherwise the
 PyTorch reference (the tiled op).
 
 Mode `auto` makes that choice; `triton` or `reference` (the PyTorch reference everywhere, the oracle
@@ -29,6 +31,7 @@ TRITON_KERNELS = {
     "attention": ("megabam.kernels.bam_attention_triton", "bam_attention_triton"),
     "mlstm": ("megabam.kernels.mlstm_triton", "mlstm_chunkwise_triton"),
 }
+C_TILES = "megabam.kernels.bam_attention_cpu"  # imported on first use too: the export does not ship it
 
 SDPA_MIN_BLOCK = 256  # query rows per fused call at least (see attention)
 
@@ -36,14 +39,22 @@ log = logging.getLogger(__name__)
 logged_choices: set = set()  # (op, mode, choice) already logged by this process
 
 
-def choose(backend: str, tensor: Tensor, op: str = "attention", sdpa_applies: bool = False) -> str:
-    """'triton', 'sdpa' or 'reference' for a call of `op` on `tensor` under the configured mode
-    `backend`; `sdpa_applies`: whether the fused CPU path can compute this call."""
+def choose(
+    backend: str, tensor: Tensor, op: str = "attention", sdpa_applies: bool = False, c_tiles_apply=lambda: False
+) -> str:
+    """'triton', 'sdpa', 'c_tiles' or 'reference' for a call of `op` on `tensor` under the configured
+    mode `backend`; `sdpa_applies`: whether the fused CPU path can compute this call; `c_tiles_apply()`:
+    whether the C tiles can (asked only in mode auto on CPU, where they are built on first use)."""
     mode = os.environ.get(ENV) or backend
     if mode not in MODES:
         source = ENV if os.environ.get(ENV) else "model.kernels"
         raise ValueError(f"{source} must be one of {', '.join(MODES)}, got {mode!r}")
-    choice = mode if mode != "auto" else ("triton" if tensor.is_cuda else "sdpa" if sdpa_applies else "reference")
+    if mode != "auto":
+        choice = mode
+    elif tensor.is_cuda:
+        choice = "triton"
+    else:
+        choice = "sdpa" if sdpa_applies else "c_tiles" if c_tiles_apply() else "reference"
     # Off the GPU a Triton launch only works under the interpreter (tests, debugging).
     if choice == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
@@ -62,12 +73,19 @@ def triton_kernel(op: str):
     return getattr(importlib.import_module(module), name)
 
 
+def c_tiles_built() -> bool:
+    """Whether the C tiles' library is built (building it now, on first use, if it can be)."""
+    return importlib.import_module(C_TILES).library() is not None
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **options) -> Tensor:
     """BAM attention on the op that `choose` picks: `options` (theta_alpha, theta_beta, theta_mu,
     ssmax_s, ssmax_before_prior, doc_ids, window, block_size, scale) and the result are those of
     megabam.kernels.bam_attention.bam_attention, which the other ops share."""
-    choice = choose(backend, q, sdpa_applies=bam_attention_sdpa.applies(**options))
-    if choice == "triton":
+    choice = choose(backend, q, sdpa_applies=bam_attention_sdpa.applies(**options), c_tiles_apply=c_tiles_built)
+    if choice == "c_tiles":
+        op = importlib.import_module(C_TILES).bam_attention_cpu
+    elif choice == "triton":
         op = triton_kernel("attention")
     elif choice == "sdpa":
         op = bam_attention_sdpa.bam_attention_sdpa

@@ -27,9 +27,11 @@ from megabam.config import load_config
 from megabam.eval.generate import token_losses
 from megabam.model import Decoder
 config, n, chunk, mode, setup = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-if setup == "megabam":  # as `megabam eval` does: OMP_NUM_THREADS threads, denormals flushed
+# "megabam": as `megabam eval` does (OMP_NUM_THREADS threads, denormals flushed); "torch": torch's
+# defaults (OMP_NUM_THREADS threads, denormals kept).
+if setup == "megabam":
     from megabam.parallel.threads import configure_cpu
-    configure_cpu()  # else torch's defaults: OMP_NUM_THREADS threads, denormals kept
+    configure_cpu()
 cfg = load_config(config)
 torch.manual_seed(0)
 model = Decoder(cfg.model).eval()

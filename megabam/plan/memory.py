@@ -19,8 +19,9 @@
 - Logits: the output loss runs in chunks of 1,024 tokens (kernels/linear_cross_entropy.py): one
   chunk's fp32 logits (their softmax gradient in place), and the fp32 gradients of the head and of the
   hidden states it computes in its forward pass.
-- Workspace: the attention op's score tiles on CPU (block × keys × heads × micro-batch, fp32; three
-  live in its backward pass); the Triton kernels keep theirs on chip.
+- Workspace: the attention op's score tiles on CPU (block × keys × heads × micro-batch, fp32; two
+  live in the C tiles' backward pass, a learned prior's op, three in the others'); the Triton kernels
+  keep theirs on chip.
 - Buffers: ZeRO's gradient-reduction bucket, allocated at the first backward pass whatever the data
   parallelism (5e8 elements by default; megabam's DeepSpeed config caps it at the rank's parameters).
 - Total: weights, optimizer, buffers and activations, plus the largest transient — the loss's logits
@@ -102,8 +103,7 @@ def block_activation_elements(cfg: Config, block, layout: Layout, device: str) -
         inner += h + 2 * kv + h + mixer.n_heads * 4 / b  # q|k|v, the transposed output, log-sum-exp
         if mixer.rope_theta is not None:
             inner += h + kv
-        learned_prior = mixer.prior is not None and any(p.requires_grad for p in mixer.prior.parameters())
-        if device == "cuda" or not learned_prior:
+        if device == "cuda" or not learned_prior(mixer):
             inner += h  # the fused op's own output
     else:  # mLSTM or Gated DeltaNet, chunkwise
         heads, chunk = mixer.n_heads, mixer.chunk_size
@@ -116,6 +116,17 @@ def block_activation_elements(cfg: Config, block, layout: Layout, device: str) -
         if device == "cpu":
             inner += 4 * heads * chunk
     return (outer / t if sp else outer) + inner / t
+
+
+def learned_prior(mixer) -> bool:
+    return mixer.prior is not None and any(p.requires_grad for p in mixer.prior.parameters())
+
+
+def cpu_attention_tiles(mixer) -> int:
+    """Score tiles an attention mixer's CPU op holds at once in its backward pass: the C tiles (a
+    learned prior: kernels/bam_attention_cpu.py) make the probabilities and their gradient in place,
+    2; the PyTorch reference and torch's fused op are counted at 3."""
+    return 2 if learned_prior(mixer) else 3
 
 
 def _mixer_inner(cfg: Config, block, layout: Layout, device: str) -> float:
@@ -167,13 +178,14 @@ def memory_bytes(cfg: Config, model: Decoder, layout: Layout, device: str = "cud
     d = cfg.model.d_model
     out["logits"] = 4 * (chunk * vocab + vocab * d + tokens * d / layout.tensor)
     if device == "cpu":
-        attention_heads = [
-            (cfg.model.attention if k == "attention" else cfg.model.swa) for k in kinds if k in ("attention", "swa")
+        tiles = [
+            cpu_attention_tiles(blk.mixer) * (cfg.model.attention if k == "attention" else cfg.model.swa).block_size
+            for blk, k in zip(model.blocks, kinds)
+            if k in ("attention", "swa")
         ]
-        if attention_heads:
-            block = max(a.block_size for a in attention_heads)
+        if tiles:  # score tiles of block × keys per head, fp32
             keys = cfg.data.seq_len
-            out["workspace"] = 3 * layout.micro_batch * cfg.model.n_heads / layout.tensor * block * keys * 4
+            out["workspace"] = max(tiles) * layout.micro_batch * cfg.model.n_heads / layout.tensor * keys * 4
     if zero >= 1:
         out["buffers"] = float(min(DEEPSPEED_BUCKET, psi) * b)
     # On top of what is always held and the activations, the peak is the largest of: the loss's

@@ -26,7 +26,7 @@ def test_cpu_training_benchmark_runs_its_table():
     """tools/bench_cpu_train.py: the Llama beside megabam models, each through the op the dispatch
     point chose, with training's CPU set-up and with the thread count alone, at a tiny size."""
     cmd = [sys.executable, "tools/bench_cpu_train.py", "--lengths", "64", "--rounds", "1", "--steps", "1"]
-    cmd += ["--warmup", "0", "--models", "rope", "bam+ssmax", "--setups", "megabam", "torch"]
+    cmd += ["--warmup", "0", "--models", "rope", "bam+ssmax", "bam+ssmax-ref", "--setups", "megabam", "torch"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = {}
@@ -36,10 +36,22 @@ def test_cpu_training_benchmark_runs_its_table():
             rows[cells[0], cells[1]] = cells
     assert sorted(rows) == sorted(
         (model, setup)
-        for model in ("transformers Llama (sdpa)", "megabam rope", "megabam bam+ssmax")
+        for model in ("transformers Llama (sdpa)", "megabam rope", "megabam bam+ssmax", "megabam bam+ssmax-ref")
         for setup in ("configure_cpu", "threads only")
     )
     for setup in ("configure_cpu", "threads only"):
         assert rows["transformers Llama (sdpa)", setup][4] == "1.00"
         assert rows["megabam rope", setup][6] == "attention:sdpa"
-        assert rows["megabam bam+ssmax", setup][6] == "attention:reference"
+        assert rows["megabam bam+ssmax", setup][6] == "attention:c_tiles"
+        assert rows["megabam bam+ssmax-ref", setup][6] == "attention:reference"
+
+
+def test_cpu_attention_benchmark_runs_its_table():
+    """tools/bench_cpu_attention.py: the tiled op and the C tiles beside torch's causal kernel, at a
+    tiny size, each row with its ratio to the peer (1.00 for the peer itself)."""
+    cmd = [sys.executable, "tools/bench_cpu_attention.py", "--shapes", "2x40", "--rounds", "1", "--block", "16"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| 2 × 40 |")]
+    assert [r[1].strip() for r in rows] == ["sdpa causal", "reference", "c_tiles"]
+    assert rows[0][4].strip() == "1.00"

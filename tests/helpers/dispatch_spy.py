@@ -3,13 +3,13 @@
 from megabam.kernels import dispatch
 
 
-def spy_on_ops(monkeypatch, reference: tuple, kernel: tuple, sdpa: tuple | None = None) -> list:
-    """Wrap the reference op `getattr(*reference)`, the kernel `getattr(*kernel)` and the fused CPU op
-    `getattr(*sdpa)` if given ((module, name) each) so each call appends "reference", "triton" or
-    "sdpa" to the returned list; reset the log-once set, clear the environment override and keep the
+def spy_on_ops(monkeypatch, reference: tuple, kernel: tuple | None = None, **cpu_ops: tuple) -> list:
+    """Wrap the reference op `getattr(*reference)`, the kernel `getattr(*kernel)` if given and each CPU op
+    `label=(module, name)` given (sdpa, c_tiles) so each call appends "reference", "triton" or the
+    label to the returned list; reset the log-once set, clear the environment override and keep the
     interpreter on."""
     ran = []
-    spied = [("reference", reference), ("triton", kernel)] + ([("sdpa", sdpa)] if sdpa else [])
+    spied = [("reference", reference), *([("triton", kernel)] if kernel else []), *cpu_ops.items()]
     for label, (module, name) in spied:
         real = getattr(module, name)
 

@@ -1,5 +1,8 @@
-"""kernels.bam_attention against a dense float64 reference written from the formula (methods.md §1)."""
+"""kernels.bam_attention, and the same op with its tiles' elementwise passes in C
+(kernels/bam_attention_cpu.py, the CPU training path), against a dense float64 reference written from
+the formula (methods.md §1). Tests taking the `op` fixture run on both."""
 
+import logging
 import math
 
 import pytest
@@ -7,6 +10,7 @@ import torch
 from helpers.attention_reference import dense_reference
 
 import megabam.kernels.bam_attention as bam
+import megabam.kernels.bam_attention_cpu as c_tiles
 from megabam.kernels.bam_attention import bam_attention
 
 B, H, N, D, BLOCK = 2, 3, 37, 8, 16  # N not a multiple of BLOCK on purpose
@@ -26,15 +30,24 @@ def make_inputs(dtype, seed=0, n=N, wide=False):
     return [t.requires_grad_() for t in (q, k, v, *theta)]
 
 
+@pytest.fixture(params=["reference", "c_tiles"])
+def op(request):
+    """The PyTorch op or the C tiles' (whose library must build here: CI's machine has a compiler)."""
+    if request.param == "reference":
+        return bam_attention
+    assert c_tiles.library() is not None, "the C tiles did not build (see the warning logged)"
+    return c_tiles.bam_attention_cpu
+
+
 DOCS = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [5] * 3 + [6] * 34])
 
 
-def run_both(dtype, ssmax, doc, window, seed=0):
-    """Outputs and grads (q, k, v, θα, θβ, θμ, s) of the tiled op and of the float64 reference."""
+def run_both(op, dtype, ssmax, doc, window, seed=0):
+    """Outputs and grads (q, k, v, θα, θβ, θμ, s) of `op` and of the float64 reference."""
     ins = make_inputs(dtype, seed)
     doc_ids = DOCS if doc else None
     s = ins[6] if ssmax else None
-    out = bam_attention(
+    out = op(
         *ins[:3],
         theta_alpha=ins[3],
         theta_beta=ins[4],
@@ -65,21 +78,21 @@ def assert_close(got, want, tol):
 @pytest.mark.parametrize("window", [None, 1, 7, 64])
 @pytest.mark.parametrize("doc", [False, True])
 @pytest.mark.parametrize("ssmax", [None, "after", "before"])
-def test_matches_dense_reference(ssmax, doc, window):
-    got, want = run_both(torch.float64, ssmax, doc, window)
+def test_matches_dense_reference(op, ssmax, doc, window):
+    got, want = run_both(op, torch.float64, ssmax, doc, window)
     assert got[0].dtype == torch.float64
     assert_close(got, want, 1e-10)
-    got, want = run_both(torch.float32, ssmax, doc, window, seed=1)
+    got, want = run_both(op, torch.float32, ssmax, doc, window, seed=1)
     assert got[0].dtype == torch.float32
     assert_close(got, want, 1e-4)
 
 
-def test_low_precision_inputs_return_their_dtype():
+def test_low_precision_inputs_return_their_dtype(op):
     ins = make_inputs(torch.float64)
     kw = dict(theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5], ssmax_s=ins[6], block_size=BLOCK)
     ref = bam_attention(*ins[:3], **kw)
     for dtype in (torch.bfloat16, torch.float16):
-        out = bam_attention(*(t.detach().to(dtype) for t in ins[:3]), **kw)
+        out = op(*(t.detach().to(dtype) for t in ins[:3]), **kw)
         assert out.dtype == dtype
         torch.testing.assert_close(out.double(), ref.detach(), atol=3e-2, rtol=3e-2)
 
@@ -111,7 +124,7 @@ def test_negative_beta_diagonal_is_finite_and_most_suppressed():
     assert (p.diagonal()[:, None] < off_diagonal).all()  # inverted: self is the least likely key
 
 
-def test_beta_one_is_alibi_and_beta_zero_is_nope():
+def test_beta_one_is_alibi_and_beta_zero_is_nope(op):
     q, k, v = make_inputs(torch.float64)[:3]
     alpha = torch.tensor([-2.0, -1.0, 0.5], dtype=torch.float64)
     one, zero = torch.ones(H, dtype=torch.float64), torch.zeros(H, dtype=torch.float64)
@@ -119,19 +132,19 @@ def test_beta_one_is_alibi_and_beta_zero_is_nope():
     n = torch.arange(N)
     alibi = -torch.exp(alpha)[:, None, None] * (n[None, :] - n[:, None]).abs()
     logits = (q @ k.transpose(-1, -2) / math.sqrt(D) + alibi).masked_fill(n[None] > n[:, None], -math.inf)
-    out = bam_attention(q, k, v, theta_alpha=alpha, theta_beta=one, block_size=BLOCK)
+    out = op(q, k, v, theta_alpha=alpha, theta_beta=one, block_size=BLOCK)
     torch.testing.assert_close(out, torch.softmax(logits, -1) @ v, rtol=0, atol=1e-12)
     # β = 0: constant prior, i.e. NoPE.
-    out = bam_attention(q, k, v, theta_alpha=alpha, theta_beta=zero, block_size=BLOCK)
+    out = op(q, k, v, theta_alpha=alpha, theta_beta=zero, block_size=BLOCK)
     torch.testing.assert_close(out, bam_attention(q, k, v, block_size=BLOCK), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("ssmax", ["after", "before"])
-def test_no_nan_for_wide_theta(dtype, ssmax):
+def test_no_nan_for_wide_theta(op, dtype, ssmax):
     for seed in range(4):
         ins = make_inputs(dtype, seed, n=150, wide=True)
-        out = bam_attention(
+        out = op(
             *ins[:3],
             theta_alpha=ins[3],
             theta_beta=ins[4],
@@ -149,13 +162,13 @@ def test_no_nan_for_wide_theta(dtype, ssmax):
     for a, b in [(4.0, -30.0), (20.0, 8.0), (-30.0, 30.0)]:
         ins = make_inputs(dtype, n=150)
         th = [torch.full((H,), x, dtype=dtype, requires_grad=True) for x in (a, b, 0.0)] + [ins[6]]
-        out = bam_attention(*ins[:3], theta_alpha=th[0], theta_beta=th[1], theta_mu=th[2], ssmax_s=th[3], block_size=32)
+        out = op(*ins[:3], theta_alpha=th[0], theta_beta=th[1], theta_mu=th[2], ssmax_s=th[3], block_size=32)
         for t in (out, *torch.autograd.grad(out, ins[:3] + th, torch.randn_like(out))):
             assert torch.isfinite(t).all()
 
 
 @pytest.mark.parametrize("window", [None, 6])
-def test_blocks_inside_one_document_match(window):
+def test_blocks_inside_one_document_match(op, window):
     """A query block whose rows all lie in one document that began before it needs no per-row mask
     (block_logits leaves it out: the block's first key is the document's); its rows must still see
     only their own document. One sequence, so the block's key start is that document's start."""
@@ -164,7 +177,7 @@ def test_blocks_inside_one_document_match(window):
     q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     theta = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in ([-1.0, 0.3], [0.4, 1.2], [0.7, 1.1])]
     doc = torch.tensor([[0] * 5 + [1] * 37 + [2] * 3])  # blocks of 8: rows 8..39 wholly inside document 1
-    out = bam_attention(
+    out = op(
         q, k, v, theta_alpha=theta[0], theta_beta=theta[1], ssmax_s=theta[2], doc_ids=doc, window=window, block_size=8
     )
     ins = [q, k, v, *theta]
@@ -175,7 +188,7 @@ def test_blocks_inside_one_document_match(window):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def test_gradcheck():
+def test_gradcheck(op):
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     theta = [
@@ -185,18 +198,14 @@ def test_gradcheck():
     doc = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
 
     def f(q, k, v, a, b, m, s):
-        return bam_attention(
-            q, k, v, theta_alpha=a, theta_beta=b, theta_mu=m, ssmax_s=s, doc_ids=doc, window=3, block_size=4
-        )
+        return op(q, k, v, theta_alpha=a, theta_beta=b, theta_mu=m, ssmax_s=s, doc_ids=doc, window=3, block_size=4)
 
     assert torch.autograd.gradcheck(f, (q, k, v, *theta))
 
 
-def test_no_grad_for_inputs_not_requiring_it():
+def test_no_grad_for_inputs_not_requiring_it(op):
     q, k, v, a, b, m, s = make_inputs(torch.float64)
-    out = bam_attention(
-        q, k, v.detach(), theta_alpha=a.detach(), theta_beta=b, theta_mu=m.detach(), ssmax_s=s, block_size=BLOCK
-    )
+    out = op(q, k, v.detach(), theta_alpha=a.detach(), theta_beta=b, theta_mu=m.detach(), ssmax_s=s, block_size=BLOCK)
     out.sum().backward()
     assert v.grad is None and a.grad is None and m.grad is None
     assert b.grad is not None and s.grad is not None and q.grad is not None
@@ -219,6 +228,73 @@ def test_window_bounds_key_columns(monkeypatch):
     assert max(widths) <= blk + w - 1
 
 
+def test_c_tiles_window_bounds_key_columns(monkeypatch):
+    """The C tiles' op, too, gives each query block at most block + window - 1 key columns."""
+    widths, real = [], c_tiles.tile_arguments
+
+    def counting(tb, lse, n, qs, ks, C):
+        widths.append(C)
+        return real(tb, lse, n, qs, ks, C)
+
+    monkeypatch.setattr(c_tiles, "tile_arguments", counting)
+    n, w, blk = 200, 7, 16
+    ins = make_inputs(torch.float32, n=n)
+    out = c_tiles.bam_attention_cpu(
+        *ins[:3], theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6], window=w, block_size=blk
+    )
+    out.sum().backward()
+    assert len(widths) == 2 * math.ceil(n / blk)
+    assert max(widths) <= blk + w - 1
+
+
+def test_c_tiles_same_result_on_one_and_two_threads():
+    """The C passes split the work over torch's OpenMP threads by (batch, head): each head's sums are
+    made by one thread in one order, so the result does not depend on the thread count."""
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            ins = make_inputs(torch.float32, n=90)
+            out = c_tiles.bam_attention_cpu(
+                *ins[:3], theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6], doc_ids=DOCS[:, :1].expand(B, 90)
+            )
+            results.append([out, *torch.autograd.grad(out.square().sum(), ins[:5] + ins[6:])])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_c_tiles_build_is_cached_and_a_failed_build_falls_back(tmp_path, monkeypatch, caplog):
+    """The library is built once per cache (a second build returns the same file untouched); a
+    compiler that fails leaves library() None with a warning naming the command, and then the
+    dispatch point runs the PyTorch reference."""
+    from helpers.dispatch_spy import spy_on_ops
+
+    from megabam.kernels import dispatch
+
+    compiler = c_tiles.shutil.which("cc") or c_tiles.shutil.which("gcc")
+    built = c_tiles.build(compiler, tmp_path)
+    stamp = built.stat().st_mtime_ns
+    assert c_tiles.build(compiler, tmp_path) == built and built.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary files left
+
+    monkeypatch.setenv("MEGABAM_CACHE", str(tmp_path / "other"))
+    monkeypatch.setenv("CC", "false")
+    c_tiles.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=c_tiles.__name__):
+            assert c_tiles.library() is None
+        assert "fused CPU attention tiles unavailable" in caplog.text and "false" in caplog.text
+        ran = spy_on_ops(monkeypatch, (dispatch, "bam_attention"), c_tiles=(c_tiles, "bam_attention_cpu"))
+        ins = make_inputs(torch.float32)
+        dispatch.attention(*ins[:3], theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6])
+        assert ran == ["reference"]
+    finally:
+        c_tiles.library.cache_clear()  # the next test builds or loads from the real cache again
+
+
 # --- grouped-query attention: k, v with H_kv | H heads ------------------------------------------
 
 
@@ -238,7 +314,7 @@ def gqa_inputs(dtype, heads, kv_heads, seed=0):
 @pytest.mark.parametrize("doc, window", [(False, None), (True, 7), (False, 1)])
 @pytest.mark.parametrize("ssmax", [None, "after", "before"])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 1), (3, 3), (6, 3)])
-def test_gqa_matches_dense_reference_with_repeated_kv(heads, kv_heads, ssmax, doc, window):
+def test_gqa_matches_dense_reference_with_repeated_kv(op, heads, kv_heads, ssmax, doc, window):
     """Query head h uses kv head h // (H / H_kv): the op on (B, H_kv, N, D) k, v against the dense
     formula on k, v repeated per query head explicitly, whose dk, dv are summed over each group."""
     group = heads // kv_heads
@@ -246,7 +322,7 @@ def test_gqa_matches_dense_reference_with_repeated_kv(heads, kv_heads, ssmax, do
     for dtype, tol, seed in ((torch.float64, 1e-10, 0), (torch.float32, 1e-4, 1)):
         ins = gqa_inputs(dtype, heads, kv_heads, seed)
         s = ins[6] if ssmax else None
-        out = bam_attention(
+        out = op(
             *ins[:3],
             theta_alpha=ins[3],
             theta_beta=ins[4],
@@ -288,9 +364,9 @@ def test_gqa_matches_dense_reference_with_repeated_kv(heads, kv_heads, ssmax, do
         (2, 4, "k and v have 4 heads, which does not divide q's 2 heads"),
     ],
 )
-def test_gqa_rejects_head_counts_not_dividing(heads, kv_heads, match):
+def test_gqa_rejects_head_counts_not_dividing(op, heads, kv_heads, match):
     q, k, v = gqa_inputs(torch.float32, heads, kv_heads)[:3]
     with pytest.raises(ValueError, match=match):
-        bam_attention(q, k, v)
+        op(q, k, v)
     with pytest.raises(ValueError, match="same number of heads, got 1 and 2"):
-        bam_attention(q, k[:, :1], torch.cat([v, v], 1)[:, :2])
+        op(q, k[:, :1], torch.cat([v, v], 1)[:, :2])

@@ -1,7 +1,8 @@
-"""The dispatch point (kernels/dispatch.py) of each op that has a Triton kernel: the reference on CPU
-tensors unless forced (attention without a prior: torch's fused attention), the kernel when forced
-(under the interpreter here), the environment winning over the config, each choice logged once per
-op, and bad modes refused in one line.
+"""The dispatch point (kernels/dispatch.py) of each op that has a Triton kernel: on CPU tensors unless
+forced, the reference for the mLSTM and for attention torch's fused attention without a prior, the C
+tiles (kernels/bam_attention_cpu.py) with one; the kernel when forced (under the interpreter here),
+the environment winning over the config, each choice logged once per op, and bad modes refused in one
+line.
 
 TRITON_INTERPRET=1 is set before the kernel modules are imported, as in tests/unit/test_kernels_triton.py.
 """
@@ -15,6 +16,7 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"
 from helpers.dispatch_spy import spy_on_ops  # noqa: E402
 
+import megabam.kernels.bam_attention_cpu as attention_c_tiles  # noqa: E402
 import megabam.kernels.bam_attention_sdpa as attention_sdpa  # noqa: E402
 import megabam.kernels.bam_attention_triton as attention_kernel  # noqa: E402
 import megabam.kernels.mlstm_triton as mlstm_kernel  # noqa: E402
@@ -40,35 +42,49 @@ def _mlstm_call(backend: str) -> torch.Tensor:
     return dispatch.mlstm_chunkwise(q, k, v, i, f, 1e-6, 16, backend=backend)[0]
 
 
-# op name → (the reference as dispatch sees it, the kernel, a small call through the dispatch point)
+# op name → (the reference as dispatch sees it, the kernel, a small call through the dispatch point,
+# the op that mode auto runs on CPU: its label and (module, name))
 OPS = {
-    "attention": ((dispatch, "bam_attention"), (attention_kernel, "bam_attention_triton"), _attention_call),
-    "mlstm": ((dispatch, "mlstm_chunkwise_reference"), (mlstm_kernel, "mlstm_chunkwise_triton"), _mlstm_call),
+    "attention": (
+        (dispatch, "bam_attention"),
+        (attention_kernel, "bam_attention_triton"),
+        _attention_call,
+        ("c_tiles", (attention_c_tiles, "bam_attention_cpu")),
+    ),
+    "mlstm": (
+        (dispatch, "mlstm_chunkwise_reference"),
+        (mlstm_kernel, "mlstm_chunkwise_triton"),
+        _mlstm_call,
+        ("reference", None),
+    ),
 }
 
 
 @pytest.fixture(params=list(OPS))
 def op(request, monkeypatch):
-    """(op name, list of the ops the dispatch point ran, the op's small call)."""
-    reference, kernel, call = OPS[request.param]
-    return request.param, spy_on_ops(monkeypatch, reference, kernel), call
+    """(op name, list of the ops the dispatch point ran, the op's small call, the auto CPU choice)."""
+    reference, kernel, call, (cpu_choice, cpu_op) = OPS[request.param]
+    extra = {cpu_choice: cpu_op} if cpu_op else {}
+    return request.param, spy_on_ops(monkeypatch, reference, kernel, **extra), call, cpu_choice
 
 
-def test_dispatch_picks_reference_on_cpu_and_logs_once(op, caplog):
-    name, ran, call = op
+def test_dispatch_picks_the_cpu_op_on_cpu_and_logs_once(op, caplog):
+    name, ran, call, cpu_choice = op
     with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        auto = call("auto")
         call("auto")
-        call("auto")
-    assert ran == ["reference", "reference"]
-    assert [r.getMessage() for r in caplog.records] == [f"{name} op: reference (mode auto, cpu tensors)"]
+        reference = call("reference")
+    assert ran == [cpu_choice, cpu_choice, "reference"]
+    assert [r.getMessage() for r in caplog.records][:1] == [f"{name} op: {cpu_choice} (mode auto, cpu tensors)"]
+    torch.testing.assert_close(auto, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_dispatch_forced_triton_runs_the_kernel(op, monkeypatch):
-    _, ran, call = op
+    _, ran, call, _ = op
     ref = call("reference")
     got = call("triton")
     monkeypatch.setenv(dispatch.ENV, "triton")
-    call("auto")
+    call("auto")  # the environment forces the kernel
     monkeypatch.setenv(dispatch.ENV, "reference")  # the environment wins over the config
     call("triton")
     assert ran == ["reference", "triton", "triton", "reference"]
@@ -76,7 +92,7 @@ def test_dispatch_forced_triton_runs_the_kernel(op, monkeypatch):
 
 
 def test_dispatch_refuses_triton_on_cpu_without_interpreter(op, monkeypatch):
-    _, ran, call = op
+    _, ran, call, _ = op
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="need TRITON_INTERPRET=1"):
         call("triton")
@@ -88,12 +104,13 @@ def test_dispatch_refuses_triton_on_cpu_without_interpreter(op, monkeypatch):
 
 @pytest.fixture
 def attention_ops(monkeypatch):
-    """Which attention op the dispatch point ran: "reference", "triton" or "sdpa"."""
+    """Which attention op the dispatch point ran: "reference", "triton", "sdpa" or "c_tiles"."""
     return spy_on_ops(
         monkeypatch,
         (dispatch, "bam_attention"),
         (attention_kernel, "bam_attention_triton"),
-        (attention_sdpa, "bam_attention_sdpa"),
+        sdpa=(attention_sdpa, "bam_attention_sdpa"),
+        c_tiles=(attention_c_tiles, "bam_attention_cpu"),
     )
 
 
@@ -111,24 +128,30 @@ def test_auto_on_cpu_fuses_attention_without_a_prior(attention_ops, caplog):
         fused = _call()
         _call(window=8)
         _call(window=8, doc_ids=docs)
-        _call(prior=True)  # a learned prior needs its gradient: the tiled op
-        _call(doc_ids=docs)  # documents without a window: the tiled op (bounded masks)
+        tiles = _call(prior=True)  # a prior under SSMax's scale: the tiled op, its passes in C
+        _call(doc_ids=docs)  # documents without a window: the tiled op too (bounded masks)
         reference = _call("reference")
-    assert attention_ops == ["sdpa", "sdpa", "sdpa", "reference", "reference", "reference"]
+        reference_prior = _call("reference", prior=True)
+    assert attention_ops == ["sdpa", "sdpa", "sdpa", "c_tiles", "c_tiles", "reference", "reference"]
     assert [r.getMessage() for r in caplog.records] == [
         "attention op: sdpa (mode auto, cpu tensors)",
-        "attention op: reference (mode auto, cpu tensors)",
+        "attention op: c_tiles (mode auto, cpu tensors)",
         "attention op: reference (mode reference, cpu tensors)",
     ]
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tiles, reference_prior, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_calls_take_at_least_256_query_rows(monkeypatch):
     """The tiled op's block_size is a memory bound (block_size · N per tile); the fused op's memory does
     not grow with it, so the dispatch gives it at least SDPA_MIN_BLOCK rows per call and the tiled op
-    exactly the configured block."""
+    exactly the configured block, as do the C tiles."""
     seen = []
-    for module, name in ((dispatch, "bam_attention"), (attention_sdpa, "bam_attention_sdpa")):
+    for module, name in (
+        (dispatch, "bam_attention"),
+        (attention_sdpa, "bam_attention_sdpa"),
+        (attention_c_tiles, "bam_attention_cpu"),
+    ):
         real = getattr(module, name)
         monkeypatch.setattr(
             module, name, lambda *a, real=real, name=name, **kw: seen.append((name, kw["block_size"])) or real(*a, **kw)
@@ -136,10 +159,13 @@ def test_fused_calls_take_at_least_256_query_rows(monkeypatch):
     for block in (16, 512):
         _call(block_size=block)
         _call(prior=True, block_size=block)
+        _call("reference", prior=True, block_size=block)
     assert dispatch.SDPA_MIN_BLOCK == 256
     assert seen == [
         ("bam_attention_sdpa", 256),
+        ("bam_attention_cpu", 16),
         ("bam_attention", 16),
         ("bam_attention_sdpa", 512),
+        ("bam_attention_cpu", 512),
         ("bam_attention", 512),
     ]
