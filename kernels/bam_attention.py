@@ -321,6 +321,15 @@ def bam_attention(
     scale defaults to 1/sqrt(D). Gradients flow to q, k, v and to every θ / s that requires grad.
     """
     check_arguments(q, k, v, theta_alpha, theta_beta, theta_mu, window)
+    k, v, lo, scale = tiled_inputs(q, k, v, doc_ids, window, scale)
+    return _BAMAttention.apply(
+        q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo, ssmax_before_prior, block_size, scale, window
+    )
+
+
+def tiled_inputs(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, window: int | None, scale):
+    """(k, v with a copy per query head, lo, scale): what the tiled ops (this one and the C tiles')
+    take from bam_attention's arguments."""
     N, D = q.shape[-2:]
     lo = key_start(doc_ids, window, N, q.device)
     scale = D**-0.5 if scale is None else float(scale)
@@ -328,13 +337,11 @@ def bam_attention(
         # Grouped-query attention, the obviously-correct way: give every query head its own copy of
         # its group's key/value head and run the per-head op. repeat_interleave's backward sums the
         # copies' gradients, so dk, dv come back with k's and v's shape, summed over each group's
-        # query heads. Costs G = H / H_kv copies of k and v per call (this is the reference; the
-        # Triton kernel indexes the shared head instead). H_kv == H never takes this branch.
+        # query heads. Costs G = H / H_kv copies of k and v per call (the Triton kernel indexes the
+        # shared head instead). H_kv == H never takes this branch.
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return _BAMAttention.apply(
-        q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo, ssmax_before_prior, block_size, scale, window
-    )
+    return k, v, lo, scale
 
 
 def dense_bam_attention(

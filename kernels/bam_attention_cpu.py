@@ -34,12 +34,12 @@ from torch.autograd.function import once_differentiable
 from megabam.kernels.bam_attention import (
     bam_params,
     check_arguments,
-    key_start,
     prior_grads,
     prior_scaled,
     prior_terms,
     query_blocks,
     query_factor,
+    tiled_inputs,
 )
 from megabam.kernels.precision import compute_dtype
 
@@ -265,12 +265,7 @@ def bam_attention_cpu(
     check_arguments(q, k, v, theta_alpha, theta_beta, theta_mu, window)
     if q.is_cuda or library() is None:
         raise ValueError("bam_attention_cpu needs CPU tensors and the built C tiles (library())")
-    N, D = q.shape[-2:]
-    lo = key_start(doc_ids, window, N, q.device)
-    scale = D**-0.5 if scale is None else float(scale)
-    if k.shape[1] != q.shape[1]:  # grouped-query attention as the reference computes it
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    k, v, lo, scale = tiled_inputs(q, k, v, doc_ids, window, scale)
     return _BAMAttentionCPU.apply(
         q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo, ssmax_before_prior, block_size, scale
     )
