@@ -4,7 +4,8 @@ Both run the GGD prior (θα, θβ, θμ) and SSMax with every input requiring g
 them, "fused": the CPU path for a prior without gradient (kernels/bam_attention_sdpa.py, torch's flash
 attention with the prior as a Toeplitz bias, called through kernels/dispatch.py as the model calls
 it), run with ALiBi's fixed slopes, no SSMax, gradients for q, k, v: its memory must stay linear in N
-like the tiled op's.
+like the tiled op's; and "c_tiles", the CPU path for a learned prior (kernels/bam_attention_cpu.py, the
+tiled op with its elementwise passes in C) on the tiled case's inputs.
 
 Method: every (variant, N) case runs in a fresh subprocess, so one case's high-water mark cannot leak
 into the next. The child imports torch, runs a tiny warm-up call (lazy initialisation, thread pools),
@@ -51,6 +52,7 @@ def run_case(args):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from megabam.kernels import dispatch
     from megabam.kernels.bam_attention import bam_attention
+    from megabam.kernels.bam_attention_cpu import bam_attention_cpu
     from megabam.model.positional import alibi_slopes
     from megabam.parallel.threads import configure_cpu
 
@@ -79,7 +81,8 @@ def run_case(args):
             torch.autograd.grad(out, ins[:3], dout)
             return
         else:
-            out = bam_attention(
+            op = bam_attention_cpu if args.case == "c_tiles" else bam_attention
+            out = op(
                 *ins[:3],
                 theta_alpha=ins[3],
                 theta_beta=ins[4],
@@ -132,7 +135,7 @@ def main():
     ap.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads; 1 keeps timings stable on a shared machine"
     )
-    ap.add_argument("--case", choices=["tiled", "dense", "fused"], help=argparse.SUPPRESS)
+    ap.add_argument("--case", choices=["tiled", "dense", "fused", "c_tiles"], help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
@@ -144,11 +147,12 @@ def main():
     )
     print(
         f"{'N':>7} {'tiled MiB':>10} {'dense MiB':>10} {'ratio':>7} {'tiled ms':>9} {'dense ms':>9}"
-        f" {'fused MiB':>10} {'fused ms':>9}"
+        f" {'fused MiB':>10} {'fused ms':>9} {'c_tiles MiB':>11} {'c_tiles ms':>10}"
     )
     for n in args.lengths:
         tiled = measure("tiled", n, args)
         fused = measure("fused", n, args)
+        c_tiles = measure("c_tiles", n, args)
         need = DENSE_NN_TENSORS * args.batch * args.heads * n * n * 4
         dense = measure("dense", n, args) if need < 0.8 * available_bytes() else None
         dense_txt = "OOM/skip" if dense is None else f"{dense['peak_mib']:.1f}"
@@ -157,7 +161,12 @@ def main():
         t_ms = "-" if tiled is None else f"{tiled['ms']:.0f}"
         d_ms = "-" if dense is None else f"{dense['ms']:.0f}"
         f_mib, f_ms = ("failed", "-") if fused is None else (f"{fused['peak_mib']:.1f}", f"{fused['ms']:.0f}")
-        print(f"{n:>7} {t_mib:>10} {dense_txt:>10} {ratio:>7} {t_ms:>9} {d_ms:>9} {f_mib:>10} {f_ms:>9}", flush=True)
+        c_mib, c_ms = ("failed", "-") if c_tiles is None else (f"{c_tiles['peak_mib']:.1f}", f"{c_tiles['ms']:.0f}")
+        print(
+            f"{n:>7} {t_mib:>10} {dense_txt:>10} {ratio:>7} {t_ms:>9} {d_ms:>9} {f_mib:>10} {f_ms:>9}"
+            f" {c_mib:>11} {c_ms:>10}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
