@@ -84,15 +84,17 @@ def build(compiler: str, folder: Path) -> Path:
     # a reader never sees a half-written one.
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         obj, lib = Path(tmp) / "bam_tiles.o", Path(tmp) / "bam_tiles.so"
-        omp = "libgomp.so.1" if (torch_lib / "libgomp.so.1").exists() else None
-        link = ["-L", str(torch_lib), "-l:libgomp.so.1", f"-Wl,-rpath,{torch_lib}"] if omp else ["-fopenmp"]
+        # torch's own OpenMP runtime where it ships one (one thread pool), else the compiler's
+        torch_gomp = (torch_lib / "libgomp.so.1").exists()
+        link = ["-L", str(torch_lib), "-l:libgomp.so.1", f"-Wl,-rpath,{torch_lib}"] if torch_gomp else ["-fopenmp"]
         for cmd in (
             [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
             [compiler, "-shared", "-o", str(lib), str(obj), *link, "-lmvec", "-lm"],
         ):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if done.returncode:
-                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip().splitlines()[-1:]}")
+                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+                raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}): {last}")
         os.replace(lib, target)
     return target
 

@@ -119,6 +119,7 @@ def block_activation_elements(cfg: Config, block, layout: Layout, device: str) -
 
 
 def learned_prior(mixer) -> bool:
+    """Whether an attention mixer's positional prior is trained (its op must return the prior's gradient)."""
     return mixer.prior is not None and any(p.requires_grad for p in mixer.prior.parameters())
 
 
