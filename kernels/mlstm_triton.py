@@ -186,7 +186,20 @@ def fwd_state_kernel(
     tl.store(STATE_N + st * DQK + offs_k, n, mask=n_ok)
 
 
-@triton.autotune(configs=_configs([(64, 4, 2), (128, 8, 2)]), key=_TUNE_KEY)
+def _no_wide_fp32_tiles(configs, named_args, **kwargs):
+    """Measured on an H200 (Triton 3.6, torch 2.11): fwd_chunk_kernel with BLOCK_DV 128 (8 warps, 2
+    stages) on fp32 inputs at d_qk 128 faults with a misaligned address; bf16 inputs and d_qk ≤ 64 run.
+    fp32 inputs keep the 64-wide tile."""
+    if {**named_args, **kwargs}.get("PRECISION") != "ieee":
+        return configs
+    return [c for c in configs if c.kwargs["BLOCK_DV"] < 128]
+
+
+@triton.autotune(
+    configs=_configs([(64, 4, 2), (128, 8, 2)]),
+    key=_TUNE_KEY + ["PRECISION"],
+    prune_configs_by={"early_config_prune": _no_wide_fp32_tiles},
+)
 @triton.jit
 def fwd_chunk_kernel(
     Q,

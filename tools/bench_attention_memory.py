@@ -49,7 +49,6 @@ def run_case(args):
     """Child process: print {"peak_mib", "ms"} for one variant at one N."""
     import torch
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from megabam.kernels import dispatch
     from megabam.kernels.bam_attention import bam_attention
     from megabam.kernels.bam_attention_cpu import bam_attention_cpu

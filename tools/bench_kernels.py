@@ -426,7 +426,6 @@ def main():
     args = parse_args()
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     Bench(args).run()
 
 

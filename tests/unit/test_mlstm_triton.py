@@ -161,6 +161,20 @@ def test_rejects_unsupported_dtype():
         kt.mlstm_chunkwise_triton(q, q, q, q[..., 0], q[..., 0], EPS, CHUNK)
 
 
+def test_fp32_inputs_skip_the_faulting_wide_tile():
+    """On an H200 (Triton 3.6) fwd_chunk_kernel faulted (misaligned address) with BLOCK_DV 128 on fp32
+    inputs at d_qk 128 (docs/benchmarks.md): its autotuner drops that tile for fp32, keeps it for
+    bf16/fp16."""
+    import triton
+
+    narrow = triton.Config({"BLOCK_DV": 64}, num_warps=4, num_stages=2)
+    wide = triton.Config({"BLOCK_DV": 128}, num_warps=8, num_stages=2)
+    assert kt.fwd_chunk_kernel.early_config_prune is kt._no_wide_fp32_tiles
+    assert kt._no_wide_fp32_tiles([narrow, wide], {}, PRECISION="ieee") == [narrow]
+    assert kt._no_wide_fp32_tiles([narrow, wide], {}, PRECISION="tf32") == [narrow, wide]
+    assert kt._no_wide_fp32_tiles([narrow, wide], {"PRECISION": "ieee"}) == [narrow]  # passed positionally
+
+
 # --- the mixer through the dispatch point ----------------------------------------------------------
 
 

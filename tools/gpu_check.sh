@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The standing GPU check: the Triton kernels' benchmark (correctness first, then its tables), then short
+# bf16 trainings of the tiny BAM and SWAX configs on CUDA through the kernels (model.kernels=auto picks
+# them on CUDA tensors; the dispatch logs its choice). One command, sized for a 10-minute device call:
+#
+#   run(command="bash tools/gpu_check.sh", carry=[".gpu"], timeout_s=600)
+#
+# The GPU image has torch, triton and transformers but not DeepSpeed, streaming or their needs, and
+# no package index: prepare .gpu/ here first (cp312 wheels, pure-Python ones built here), see
+# docs/benchmarks.md "Triton kernels on the GPU". Only the wheels whose module the image lacks are
+# installed. Everything printed also goes to $OUT/gpu_check.log.
+#
+# GPU_CHECK_DRY=1 runs the same steps on CPU at tiny sizes (the benchmark under the Triton
+# interpreter, 3 training steps): it proves the script, not the GPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_check}
+PY=${PY:-python3}
+SITE=${GPU_CHECK_SITE:-/tmp/megabam-site}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 MEGABAM_CACHE=${MEGABAM_CACHE:-/tmp/megabam-cache}
+
+wheels=()
+need() {  # need MODULE-CHECK WHEEL...: the wheels, unless the check imports
+  "$PY" -c "import $1" 2>/dev/null || for w in "${@:2}"; do wheels+=(.gpu/"$w"-*.whl); done
+}
+need deepspeed deepspeed
+need hjson hjson
+need cpuinfo py_cpuinfo
+need msgpack msgpack
+need einops einops
+need "pydantic; assert int(pydantic.VERSION[0]) >= 2" pydantic pydantic_core annotated_types typing_inspection
+need psutil psutil
+need "importlib.util; assert importlib.util.find_spec('streaming')" mosaicml_streaming
+need zstd zstd
+need zstandard zstandard
+need snappy python_snappy cramjam
+need brotli brotli
+need catalogue catalogue
+need xxhash xxhash
+wheels+=(.gpu/megabam-*.whl)
+echo "gpu_check: installing ${wheels[*]}"
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" || exit 1
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+"$PY" -c "import torch, triton, deepspeed, sys, megabam.kernels.dispatch
+from megabam.data.streaming_import import import_streaming
+streaming = import_streaming()
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton',
+      triton.__version__, 'deepspeed', deepspeed.__version__, 'streaming', streaming.__version__)" || exit 1
+
+if [[ -n ${GPU_CHECK_DRY:-} ]]; then
+  bench=(--dry-run) steps=3 warmup=1 bench_limit=300
+else
+  bench=(--variants bam sdpa flex --reps 5 ${GPU_CHECK_BENCH_ARGS:-}) steps=100 warmup=20 bench_limit=330
+fi
+echo "== gpu_check: tools/bench_kernels.py ${bench[*]}"
+SECONDS=0
+timeout "$bench_limit" "$PY" tools/bench_kernels.py "${bench[@]}"
+echo "gpu_check: bench_kernels exit $? after $SECONDS s"
+
+train() {  # train NAME CONFIG LIMIT OVERRIDES...
+  echo "== gpu_check: train $1 (${*:4})"
+  SECONDS=0
+  timeout "$3" "$PY" -c 'import sys; from megabam.cli import run; sys.exit(run())' train --fresh "yaml_configs/$2.yaml" \
+    run.name="$1" run.output_dir=/tmp/megabam-runs train.precision=bf16 train.steps=$steps schedule.warmup_steps=$warmup \
+    train.eval_every=$steps train.eval_batches=4 checkpoint.every=$steps logging.wandb_mode=disabled \
+    logging.log_every=10 "${@:4}"
+  echo "gpu_check: train $1 exit $? after $SECONDS s"
+}
+[[ ${GPU_CHECK_TRAIN:-1} == 1 ]] || exit 0  # GPU_CHECK_TRAIN=0: the benchmark alone
+train bam tiny_cpu 110 logging.peak_tflops=989
+train swax swax_tiny_cpu 110 logging.peak_tflops=989
