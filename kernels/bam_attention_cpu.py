@@ -9,21 +9,12 @@ logsumexp and the softmax gradient; the gradient times the row weight summed alo
 and masked entries are never computed: a row's allowed keys are one contiguous range. Same
 arguments, masks, compute dtype and result as bam_attention; its tests compare the two.
 
-The C source is compiled at first use with the system C compiler (about 0.5 s) into megabam's cache
-($MEGABAM_CACHE or ~/.cache/megabam), one file per source, flags, compiler, CPU and torch, written
-atomically, and linked to the OpenMP runtime torch has loaded (one thread pool, with its denormal
-flush). Without a compiler `library()` is None and kernels/dispatch.py keeps the reference.
+The C source is compiled at first use (kernels/cpu_build.py). Without a compiler `library()` is None and
+kernels/dispatch.py keeps the reference.
 """
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,85 +32,26 @@ from megabam.kernels.bam_attention import (
     query_factor,
     tiled_inputs,
 )
+from megabam.kernels.cpu_build import I64, P, load, ptr
 from megabam.kernels.precision import compute_dtype
 
 SOURCE = Path(__file__).with_name("bam_tiles.c")
-# -ffast-math for glibc's vectorised exp (libmvec); at compile time only, so the library does not
-# set the process's floating-point mode when loaded. No inf or NaN enters the C code: masked
-# entries are skipped, not set to -inf.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
-BUILD_TIMEOUT_S = 120
-
-log = logging.getLogger(__name__)
-P, I64 = ctypes.c_void_p, ctypes.c_int64
 FORWARD_ARGS = [P, P, P, I64, I64, P, I64, P, I64, I64, P, I64] + [I64] * 6  # bam_tiles.c's order
 BACKWARD_ARGS = [P, P, P, I64, I64, P, I64, P, I64, I64, P, I64, P, I64, P, I64] + [I64] * 6
 
 
-def cache_folder() -> Path:
-    return Path(os.environ.get("MEGABAM_CACHE") or "~/.cache/megabam").expanduser() / "cpu_kernels"
-
-
-def cpu_signature() -> str:
-    """What -march=native compiles for: the CPU's model and flags (a cache shared by several kinds of
-    machine keeps one library per kind)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine()
-    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
-    return platform.machine() + "\n" + "\n".join(dict.fromkeys(keep))
-
-
-def build(compiler: str, folder: Path) -> Path:
-    """The compiled library, built now unless the cache holds it; raises on a failed build."""
-    torch_lib = Path(torch.__file__).parent / "lib"
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = "\0".join([SOURCE.read_text(), " ".join(COMPILE_FLAGS), version, cpu_signature(), str(torch_lib)])
-    target = folder / f"bam_tiles-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name and renamed: ranks building at once each write their own file, and
-    # a reader never sees a half-written one.
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        obj, lib = Path(tmp) / "bam_tiles.o", Path(tmp) / "bam_tiles.so"
-        # torch's own OpenMP runtime where it ships one (one thread pool), else the compiler's
-        torch_gomp = (torch_lib / "libgomp.so.1").exists()
-        link = ["-L", str(torch_lib), "-l:libgomp.so.1", f"-Wl,-rpath,{torch_lib}"] if torch_gomp else ["-fopenmp"]
-        for cmd in (
-            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [compiler, "-shared", "-o", str(lib), str(obj), *link, "-lmvec", "-lm"],
-        ):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            if done.returncode:
-                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-                raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}): {last}")
-        os.replace(lib, target)
-    return target
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The C tile ops, compiled on first use; None (and a warning saying why) where they cannot be
-    built or loaded."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    try:
-        if compiler is None:
-            raise RuntimeError("no C compiler (cc, gcc or $CC) found")
-        lib = ctypes.CDLL(str(build(compiler, cache_folder())))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("fused CPU attention tiles unavailable, using the PyTorch reference: %s", e)
-        return None
-    for dtype in ("f32", "f64"):
-        getattr(lib, f"tile_forward_{dtype}").argtypes = FORWARD_ARGS
-        getattr(lib, f"tile_backward_{dtype}").argtypes = BACKWARD_ARGS
-    return lib
-
-
-def ptr(t: Tensor | None, offset: int = 0) -> int | None:
-    """The address of element `offset` of t (NULL for None)."""
-    return None if t is None else t.data_ptr() + offset * t.element_size()
+    """The C tile ops, compiled on first use (kernels/cpu_build.py); None where they cannot be built."""
+    return load(
+        SOURCE,
+        "fused CPU attention tiles",
+        {
+            f"tile_{p}_{t}": FORWARD_ARGS if p == "forward" else BACKWARD_ARGS
+            for p in ("forward", "backward")
+            for t in ("f32", "f64")
+        },
+    )
 
 
 class CallTables(NamedTuple):

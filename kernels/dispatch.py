@@ -3,7 +3,9 @@ kernel for CUDA tensors; on CPU, for attention calls without a prior that torch'
 compute (kernels/bam_attention_sdpa.py: RoPE, NoPE, sinusoidal, SSMax alone), that; for the other
 attention calls (a learned prior, documents without a window) the tiled op with its elementwise
 passes in C (kernels/bam_attention_cpu.py, "c_tiles") where its library builds; otherwise the
-PyTorch reference (the tiled op).
+PyTorch reference (the tiled op). RMS norms, the SwiGLU product and the rotary embedding take their
+one-pass C forms on CPU (kernels/cpu_fused.py, "c_fused") where its library builds, else their PyTorch
+forms.
 
 Mode `auto` makes that choice; `triton` or `reference` (the PyTorch reference everywhere, the oracle
 of the kernels' tests) forces one. The mode comes from the config key `model.kernels` (passed here as
@@ -32,6 +34,7 @@ TRITON_KERNELS = {
     "mlstm": ("megabam.kernels.mlstm_triton", "mlstm_chunkwise_triton"),
 }
 C_TILES = "megabam.kernels.bam_attention_cpu"  # imported on first use too: the export does not ship it
+CPU_FUSED = "megabam.kernels.cpu_fused"  # likewise
 
 SDPA_MIN_BLOCK = 256  # query rows per fused call at least (see attention)
 
@@ -45,10 +48,7 @@ def choose(
     """'triton', 'sdpa', 'c_tiles' or 'reference' for a call of `op` on `tensor` under the configured
     mode `backend`; `sdpa_applies`: whether the fused CPU path can compute this call; `c_tiles_apply()`:
     whether the C tiles can (asked only in mode auto on CPU, where they are built on first use)."""
-    mode = os.environ.get(ENV) or backend
-    if mode not in MODES:
-        source = ENV if os.environ.get(ENV) else "model.kernels"
-        raise ValueError(f"{source} must be one of {', '.join(MODES)}, got {mode!r}")
+    mode = mode_of(backend)
     if mode != "auto":
         choice = mode
     elif tensor.is_cuda:
@@ -61,10 +61,36 @@ def choose(
             f"Triton kernels on {tensor.device} tensors need TRITON_INTERPRET=1 "
             f"(mode {mode!r}); use {ENV}=reference or auto"
         )
+    log_choice(op, mode, choice, tensor)
+    return choice
+
+
+def mode_of(backend: str) -> str:
+    """The mode in force: MEGABAM_KERNELS when set, else `backend` (model.kernels); checked."""
+    mode = os.environ.get(ENV) or backend
+    if mode not in MODES:
+        source = ENV if os.environ.get(ENV) else "model.kernels"
+        raise ValueError(f"{source} must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def log_choice(op: str, mode: str, choice: str, tensor: Tensor) -> None:
     if (op, mode, choice) not in logged_choices:
         logged_choices.add((op, mode, choice))
         log.info("%s op: %s (mode %s, %s tensors)", op, choice, mode, tensor.device.type)
-    return choice
+
+
+def fused_cpu_op(op: str, backend: str, *tensors: Tensor):
+    """The C form of `op` ("rms_norm", "swiglu", "rope"; kernels/cpu_fused.py) where it takes these tensors: in
+    mode auto, CPU tensors of one dtype, fp32 or fp64, its library built (now, on first use); else None,
+    and the caller computes the PyTorch form (megabam/model/layers.py, positional.py), as on CUDA, where torch's own
+    kernels are fast, and in mode reference or triton (there is no Triton kernel for these). Logged
+    once per op, mode and choice like the others."""
+    mode = mode_of(backend)
+    module = importlib.import_module(CPU_FUSED) if mode == "auto" and tensors[0].device.type == "cpu" else None
+    fused = module is not None and module.applies(*tensors) and module.library() is not None
+    log_choice(op, mode, "c_fused" if fused else "reference", tensors[0])
+    return getattr(module, op) if fused else None
 
 
 def triton_kernel(op: str):

@@ -41,7 +41,7 @@ TOKENS_PER_STEP = 2048
 # (the Llama has none) and every other setting as shipped.
 MODELS = {
     "bam+ssmax": ("yaml_configs/tiny_cpu.yaml", []),
-    # the same on the PyTorch reference op (what runs where the C tiles cannot be built)
+    # the same on the PyTorch forms everywhere (what runs where no C can be built)
     "bam+ssmax-ref": ("yaml_configs/tiny_cpu.yaml", ["model.kernels=reference"]),
     "alibi": ("yaml_configs/tiny_cpu.yaml", ["model.attention.positional=alibi", "model.attention.ssmax=false"]),
     "rope": ("yaml_configs/tiny_cpu.yaml", ["model.attention.positional=rope", "model.attention.ssmax=false"]),

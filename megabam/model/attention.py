@@ -107,7 +107,8 @@ class Attention(nn.Module):
         B, N, _ = x.shape
         qk, v = self.qkv(x).view(B, N, -1, self.head_dim).split([self.n_heads + self.kv_heads, self.kv_heads], dim=2)
         if self.rope_theta is not None:
-            qk = apply_rope(qk, rope_rotation(N, self.head_dim, self.rope_theta, device=x.device, start=start))
+            rotation = rope_rotation(N, self.head_dim, self.rope_theta, device=x.device, start=start)
+            qk = apply_rope(qk, rotation, self.backend)
         q, k = qk.split([self.n_heads, self.kv_heads], dim=2)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 

@@ -4,26 +4,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megabam.kernels import dispatch
+from megabam.kernels.precision import compute_dtype
 from megabam.model.sharding import TensorParallelPlan
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, backend: str = "auto"):
         super().__init__()
-        self.eps = eps
+        self.eps, self.backend = eps, backend
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.backend)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
     """x / rms(x) · weight over the last dimension (a function so sequence parallelism can pass a
-    weight wrapped for its gradient all-reduce)."""
-    # Normalise in fp32: bf16 sums of squares lose too much precision at large widths.
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).type_as(x)
+    weight wrapped for its gradient all-reduce). A 1-D weight on CPU runs the one-pass C form where
+    kernels/dispatch.py picks it (`backend`: model.kernels)."""
+    if weight.dim() == 1 and (fused := dispatch.fused_cpu_op("rms_norm", backend, x, weight)):
+        return fused(x, weight, eps)
+    # Normalise in fp32 (fp64 for fp64): bf16 sums of squares lose too much precision at large widths.
+    dtype = compute_dtype(x)
+    xc = x.to(dtype)
+    y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.to(dtype)).type_as(x)
 
 
 def head_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,15 +39,19 @@ def head_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, backend: str = "auto"):
         super().__init__()
         self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
+        self.backend = backend
 
     def tp_plan(self) -> TensorParallelPlan:
         """The same hidden units of both halves of [gate | up] per rank, and their rows of `down`."""
         return TensorParallelPlan(column={"gate_up": 2}, row=("down",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        if fused := dispatch.fused_cpu_op("swiglu", self.backend, gate_up):  # one pass on CPU
+            return self.down(fused(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from megabam.config.schema import BamConfig
+from megabam.kernels import dispatch
 from megabam.kernels.precision import compute_dtype
 
 
@@ -83,10 +84,13 @@ def rope_rotation(seq_len: int, head_dim: int, theta: float, device=None, start:
     return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, rotation: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Rotate the pairs (x[2k], x[2k+1]) of a (B, N, heads, D) tensor by their position's angles: as
     complex numbers x[2k] + i·x[2k+1] times rotation (N, D/2). One complex multiply, forward and
-    backward, where rotating the even and odd halves separately takes six elementwise passes."""
+    backward, where rotating the even and odd halves separately takes six elementwise passes; on CPU
+    one pass in C where kernels/dispatch.py picks it (`backend`: model.kernels)."""
+    if fused := dispatch.fused_cpu_op("rope", backend, x):
+        return fused(x, rotation)
     pairs = torch.view_as_complex(x.to(compute_dtype(x)).unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation.to(pairs.dtype)[:, None]).flatten(-2).type_as(x)
 

@@ -71,10 +71,10 @@ class VocabOutput(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, mixer: nn.Module):
         super().__init__()
-        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
         self.mixer = mixer
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden_size())
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden_size(), cfg.kernels)
 
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         x = x + self.mixer(self.mixer_norm(x), seq)
@@ -102,7 +102,7 @@ class Decoder(nn.Module):
         shared: dict = {}
         self.layer_types = cfg.layer_types()
         self.blocks = nn.ModuleList(Block(cfg, MIXERS[name](cfg, shared)) for name in self.layer_types)
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.output = VocabOutput(cfg.logit_soft_cap)
         # Sinusoidal positions are added to the embeddings, so they serve every layer when any attention

@@ -75,12 +75,12 @@ class SequenceParallelRMSNorm(RMSNorm):
     """
 
     def __init__(self, norm: RMSNorm, group):
-        super().__init__(norm.weight.shape[0], norm.eps)
+        super().__init__(norm.weight.shape[0], norm.eps, norm.backend)
         self.weight = norm.weight
         self.group = group
 
     def forward(self, x: Tensor) -> Tensor:
-        y = rms_norm(x, copy_to_tensor_region(self.weight, self.group), self.eps)
+        y = rms_norm(x, copy_to_tensor_region(self.weight, self.group), self.eps, self.backend)
         return gather_from_sequence_region(y, self.group)
 
 

@@ -86,8 +86,8 @@ def rank_parameters(model: Decoder, layout: Layout) -> tuple[int, int]:
 
 def block_activation_elements(cfg: Config, block, layout: Layout, device: str) -> float:
     """Elements one block saves per token for its backward pass (at the activation dtype; the fp32
-    log-sum-exp counted at its size in that dtype), read off megabam's modules: each norm its input,
-    x·rstd and its output; the SwiGLU its fused gate|up output, silu(gate) and the product; attention
+    log-sum-exp counted at its size in that dtype), read off megabam's modules: the norms and the
+    SwiGLU what `_norms_and_mlp` says; attention
     the fused q|k|v, the RoPE-rotated q, k, the op's output where a fused op keeps it (torch's SDPA on
     CPU, the Triton kernel on GPU; the reference op recomputes it) and its transposed copy, a
     log-sum-exp per head; the chunkwise mLSTM and Gated DeltaNet their inputs, gates, outputs and one
@@ -96,8 +96,7 @@ def block_activation_elements(cfg: Config, block, layout: Layout, device: str) -
     m, t, sp = cfg.model, layout.tensor, layout.sequence_parallel
     h, b = m.d_model, _dtype_bytes(cfg)
     mixer = block.mixer
-    outer = 6 * h  # two norms: input, x·rstd, output
-    inner = 4 * m.ffn_hidden_size()  # gate|up, silu(gate), product
+    outer, inner = _norms_and_mlp(cfg, device)
     if hasattr(mixer, "kv_heads"):  # attention or SWA
         kv = mixer.kv_heads * mixer.head_dim
         inner += h + 2 * kv + h + mixer.n_heads * 4 / b  # q|k|v, the transposed output, log-sum-exp
@@ -118,6 +117,16 @@ def block_activation_elements(cfg: Config, block, layout: Layout, device: str) -
     return (outer / t if sp else outer) + inner / t
 
 
+def _norms_and_mlp(cfg: Config, device: str) -> tuple[float, float]:
+    """Elements per token the two norms and the SwiGLU MLP of a block save: in PyTorch each norm its input,
+    x·rstd and output, the MLP gate|up, silu(gate) and the product; on CPU in fp32 their C forms
+    (kernels/cpu_fused.py) each norm its input and 1/rms, the MLP gate|up and the product (`down`'s input)."""
+    h, f = cfg.model.d_model, cfg.model.ffn_hidden_size()
+    if device == "cpu" and _dtype_bytes(cfg) == 4:
+        return 2 * h + 2, 3 * f
+    return 6 * h, 4 * f
+
+
 def learned_prior(mixer) -> bool:
     """Whether an attention mixer's positional prior is trained (its op must return the prior's gradient)."""
     return mixer.prior is not None and any(p.requires_grad for p in mixer.prior.parameters())
@@ -132,9 +141,11 @@ def cpu_attention_tiles(mixer) -> int:
 
 def _mixer_inner(cfg: Config, block, layout: Layout, device: str) -> float:
     """The part of block_activation_elements that is the mixer's own (what selective recomputation drops)."""
-    m, t = cfg.model, layout.tensor
-    outer = 6 * m.d_model / (t if layout.sequence_parallel else 1)
-    return block_activation_elements(cfg, block, layout, device) - outer - 4 * m.ffn_hidden_size() / t
+    t = layout.tensor
+    outer, mlp = _norms_and_mlp(cfg, device)
+    return (
+        block_activation_elements(cfg, block, layout, device) - outer / (t if layout.sequence_parallel else 1) - mlp / t
+    )
 
 
 def memory_bytes(cfg: Config, model: Decoder, layout: Layout, device: str = "cuda") -> dict[str, float]:

@@ -41,9 +41,9 @@ def test_cpu_training_benchmark_runs_its_table():
     )
     for setup in ("configure_cpu", "threads only"):
         assert rows["transformers Llama (sdpa)", setup][4] == "1.00"
-        assert rows["megabam rope", setup][6] == "attention:sdpa"
-        assert rows["megabam bam+ssmax", setup][6] == "attention:c_tiles"
-        assert rows["megabam bam+ssmax-ref", setup][6] == "attention:reference"
+        assert rows["megabam rope", setup][6] == "attention:sdpa, rms_norm:c_fused, rope:c_fused, swiglu:c_fused"
+        assert rows["megabam bam+ssmax", setup][6] == "attention:c_tiles, rms_norm:c_fused, swiglu:c_fused"
+        assert rows["megabam bam+ssmax-ref", setup][6] == "attention:reference, rms_norm:reference, swiglu:reference"
 
 
 def test_cpu_attention_benchmark_runs_its_table():

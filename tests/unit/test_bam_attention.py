@@ -4,6 +4,7 @@ the formula (methods.md §1). Tests taking the `op` fixture run on both."""
 
 import logging
 import math
+import shutil
 
 import pytest
 import torch
@@ -272,19 +273,19 @@ def test_c_tiles_build_is_cached_and_a_failed_build_falls_back(tmp_path, monkeyp
     dispatch point runs the PyTorch reference."""
     from helpers.dispatch_spy import spy_on_ops
 
-    from megabam.kernels import dispatch
+    from megabam.kernels import cpu_build, dispatch
 
-    compiler = c_tiles.shutil.which("cc") or c_tiles.shutil.which("gcc")
-    built = c_tiles.build(compiler, tmp_path)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    built = cpu_build.build(c_tiles.SOURCE, compiler, tmp_path)
     stamp = built.stat().st_mtime_ns
-    assert c_tiles.build(compiler, tmp_path) == built and built.stat().st_mtime_ns == stamp
+    assert cpu_build.build(c_tiles.SOURCE, compiler, tmp_path) == built and built.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary files left
 
     monkeypatch.setenv("MEGABAM_CACHE", str(tmp_path / "other"))
     monkeypatch.setenv("CC", "false")
     c_tiles.library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=c_tiles.__name__):
+        with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
             assert c_tiles.library() is None
         assert "fused CPU attention tiles unavailable" in caplog.text and "false" in caplog.text
         ran = spy_on_ops(monkeypatch, (dispatch, "bam_attention"), c_tiles=(c_tiles, "bam_attention_cpu"))
