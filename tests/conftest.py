@@ -64,6 +64,9 @@ LONGEST_FIRST = [
     "e2e/test_reliability.py",
     "e2e/test_convert_parallel.py",
     "e2e/test_reshard.py",
+    "e2e/test_tools.py",  # added 2026-12-04 (a 616 s run: each ~45-60 s, alphabetically near the end)
+    "e2e/test_launch_slurm.py",
+    "e2e/test_repro.py",
 ]
 
 

@@ -119,11 +119,12 @@ def block_activation_elements(cfg: Config, block, layout: Layout, device: str) -
 
 def _norms_and_mlp(cfg: Config, device: str) -> tuple[float, float]:
     """Elements per token the two norms and the SwiGLU MLP of a block save: in PyTorch each norm its input,
-    x·rstd and output, the MLP gate|up, silu(gate) and the product; on CPU in fp32 their C forms
-    (kernels/cpu_fused.py) each norm its input and 1/rms, the MLP gate|up and the product (`down`'s input)."""
+    x·rstd and output (the next projection's input), the MLP gate|up, silu(gate) and the product
+    (`down`'s input); on CPU in fp32 their C forms (kernels/cpu_fused.py) save no x·rstd and no
+    silu(gate), only 1/rms per row."""
     h, f = cfg.model.d_model, cfg.model.ffn_hidden_size()
     if device == "cpu" and _dtype_bytes(cfg) == 4:
-        return 2 * h + 2, 3 * f
+        return 4 * h + 2, 3 * f
     return 6 * h, 4 * f
 
 
