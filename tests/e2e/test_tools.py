@@ -55,3 +55,14 @@ def test_cpu_attention_benchmark_runs_its_table():
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| 2 × 40 |")]
     assert [r[1].strip() for r in rows] == ["sdpa causal", "reference", "c_tiles"]
     assert rows[0][4].strip() == "1.00"
+
+
+def test_cpu_fused_benchmark_runs_its_table():
+    """tools/bench_cpu_fused.py: the three C forms beside their PyTorch forms, at a tiny size."""
+    cmd = [sys.executable, "tools/bench_cpu_fused.py", "--tokens", "64", "--rounds", "1", "--calls", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [
+        line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "op |" not in line
+    ]
+    assert [r.split(" (")[0] for r in rows] == ["RMS norm", "SwiGLU product", "rotary embedding"]
