@@ -195,8 +195,9 @@ class ModelConfig:
     kernels: Literal["auto", "triton", "reference"] = doc(
         "auto",
         "Attention and chunkwise mLSTM ops: auto = Triton kernels on CUDA tensors; on CPU torch's fused attention "
-        "for attention without a prior, the tiled op with C passes (built at first use) with one, else the "
-        "PyTorch references; triton or reference forces one "
+        "for attention without a prior, the tiled op with C passes (built at first use) with one, and RMS norms, "
+        "the SwiGLU product and RoPE in one C pass each, else the PyTorch references; triton or reference forces "
+        "one (reference: PyTorch everywhere) "
         "(env MEGABAM_KERNELS overrides; triton on CPU only under TRITON_INTERPRET=1).",
     )
 
