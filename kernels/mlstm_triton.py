@@ -28,7 +28,7 @@ Memory: the forward keeps the state at every chunk start, (B, H, N/chunk + 1, d_
 in fp32 for the backward's row terms; the backward allocates the state gradients alike.
 
 Everything is computed in fp32 (the state always is): q, k, v are upcast when loaded, and dots of
-fp16/bf16 inputs run as TF32 on the GPU, fp32 inputs as exact fp32 (the model feeds fp32). Plain
+fp16/bf16 inputs run as TF32 on the GPU, fp32 inputs as exact fp32 (the model feeds its own dtype). Plain
 pointer arithmetic only, so one source runs under the GPU image's Triton 3.6 and the CPU
 interpreter of the pinned Triton 3.9 (TRITON_INTERPRET=1, read at import; one autotune config there).
 Offsets are int64 wherever they can pass 2^31: batch·head indices are widened once per program and

@@ -102,11 +102,12 @@ class MLstm(nn.Module):
         step). Several steps run the chunkwise form on the op the dispatch point picks (the Triton kernel
         on CUDA tensors), a single step (generation) the recurrent one."""
         x = self.enter(x)
-        inputs = [t.to(compute_dtype(x)) for t in self.cell_inputs(x)]
+        q, k, v, i, f = self.cell_inputs(x)
+        i, f = i.to(compute_dtype(x)), f.to(compute_dtype(x))
         if x.shape[1] == 1:
-            h, state = mlstm_recurrent(*inputs, self.eps, state)
-        else:
-            h, state = dispatch.mlstm_chunkwise(*inputs, self.eps, self.chunk_size, state, backend=self.backend)
+            h, state = mlstm_recurrent(*(t.to(compute_dtype(x)) for t in (q, k, v)), i, f, self.eps, state)
+        else:  # the dispatch point casts q, k, v for the op it picks
+            h, state = dispatch.mlstm_chunkwise(q, k, v, i, f, self.eps, self.chunk_size, state, backend=self.backend)
         return self._output(x, h.to(x.dtype)), state
 
     def mixing_flops(self, seq_len: int, window: int | None = None) -> dict[str, float]:

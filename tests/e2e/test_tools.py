@@ -22,6 +22,29 @@ def test_bench_dry_run():
     assert "| 40 | fwd+bwd | triton | bfloat16 |" in done.stdout
 
 
+def test_bench_pins_each_mlstm_config():
+    """--mlstm-configs checks each mLSTM kernel with each autotune config pinned (one under the
+    interpreter), both input dtypes, twice each, and leaves the autotuner's configs as they were."""
+    code = (
+        "import os, sys; os.environ['TRITON_INTERPRET'] = '1'\n"
+        "sys.path.insert(0, 'tools'); sys.argv = ['b', '--dry-run']\n"
+        "import bench_kernels as bk\n"
+        "from megabam.kernels import mlstm_triton as mt\n"
+        "before = [list(mt.bwd_chunk_kernel.configs), list(mt.fwd_chunk_kernel.configs)]\n"
+        "assert bk.Bench(bk.parse_args()).check_mlstm_configs()\n"
+        "assert before == [list(mt.bwd_chunk_kernel.configs), list(mt.fwd_chunk_kernel.configs)]"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [
+        line
+        for line in done.stdout.splitlines()
+        if line.startswith("| ") and line.split("|")[1].strip().endswith("_kernel")
+    ]
+    assert len(rows) == 8, done.stdout  # 4 kernels x 1 config x 2 dtypes
+    assert all(line.endswith("| True | ok |") for line in rows), done.stdout
+
+
 def test_cpu_training_benchmark_runs_its_table():
     """tools/bench_cpu_train.py: the Llama beside megabam models, each through the ops the dispatch
     point chose (the C tiles' choice in training: tests/unit/test_cpu_fused.py), with training's CPU

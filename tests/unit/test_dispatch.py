@@ -169,3 +169,32 @@ def test_fused_calls_take_at_least_256_query_rows(monkeypatch):
         ("bam_attention_cpu", 512),
         ("bam_attention", 512),
     ]
+
+
+def test_mlstm_kernel_takes_bf16_qkv_and_the_reference_fp32(monkeypatch):
+    """The model hands the dispatch point q, k, v in its own dtype: the kernel gets bf16 as it is (its
+    products on tensor cores), the reference the compute dtype; gates arrive fp32 either way."""
+    seen = {}
+    for label, (module, name) in {
+        "triton": (mlstm_kernel, "mlstm_chunkwise_triton"),
+        "reference": (dispatch, "mlstm_chunkwise_reference"),
+    }.items():
+        real = getattr(module, name)
+
+        def op(*args, _label=label, _real=real):
+            seen[_label] = [t.dtype for t in args[:5]]
+            return _real(*args)
+
+        monkeypatch.setattr(module, name, op)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 20, 16, generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(1, 2, 20, 16, generator=g).bfloat16()
+    i, f = 3 * torch.randn(1, 2, 20, generator=g), 3 + 2 * torch.randn(1, 2, 20, generator=g)
+    got = dispatch.mlstm_chunkwise(q, k, v, i, f, 1e-6, 16, backend="triton")[0]
+    want = dispatch.mlstm_chunkwise(q, k, v, i, f, 1e-6, 16, backend="reference")[0]
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert seen == {"triton": [bf16, bf16, bf16, fp32, fp32], "reference": [fp32] * 5}
+    assert got.dtype == bf16 and want.dtype == fp32
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
