@@ -165,6 +165,11 @@ def describe_config(cls, prefix: str = "") -> list[str]:
 def run() -> None:
     """The process entry point (`megabam`, `python -m megabam.cli`): main's code, recorded for the
     launch scripts, as the exit status."""
+    # megabam compiles nothing, yet DeepSpeed's ZeRO optimizer check imports its Muon module, whose
+    # module-level torch.compile loads the inductor backend: ~1 s of every process's start
+    # (docs/benchmarks.md). With dynamo disabled torch.compile returns the function as it is. Set for
+    # this process and those it starts; a value the user set wins.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     code = 1  # an exception escaping main: a traceback, exit 1
     try:
         code = main()

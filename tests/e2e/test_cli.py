@@ -1,5 +1,6 @@
 """The `megabam` command's help texts and config listing (through the installed console script)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,27 @@ def test_contradictory_or_missing_arguments_are_one_line_errors(tmp_path, args, 
     result = subprocess.run([MEGABAM, *args], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2])
     assert result.returncode == 2
     assert result.stderr.strip().startswith(f"megabam: error: {message}") and len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("user_setting, loaded", [(None, False), ("0", True)])
+def test_a_megabam_process_does_not_load_the_compiler_deepspeed_asks_for(user_setting, loaded):
+    """DeepSpeed's ZeRO optimizer check imports its Muon module, whose module-level torch.compile
+    loads the inductor backend (~1 s a process); the `megabam` entry point disables dynamo, so that
+    torch.compile returns the function as is, unless the user set TORCHDYNAMO_DISABLE."""
+    code = (
+        "import sys\n"
+        "from megabam import cli\n"
+        "sys.argv = ['megabam', 'train', '--help-config']\n"
+        "try:\n"
+        "    cli.run()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "import deepspeed.runtime.zero.muon.muon_optimizer\n"
+        "print('inductor loaded:', 'torch._inductor.compile_fx' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    if user_setting is not None:
+        env["TORCHDYNAMO_DISABLE"] = user_setting
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"inductor loaded: {loaded}" in result.stdout

@@ -15,7 +15,7 @@ from megabam import cli
 from megabam.train.trainer import Trainer
 
 
-def main() -> int:
+def main() -> None:
     steps = {int(s) for s in sys.argv[1].split(",")}
     poisoning = {"on": False}
     hooked: set[int] = set()
@@ -40,8 +40,9 @@ def main() -> int:
             poisoning["on"] = False
 
     Trainer.train_step = train_step
-    return cli.main(sys.argv[2:])
+    sys.argv = [sys.argv[0], *sys.argv[2:]]
+    cli.run()  # the console script's entry point: its process set-up, exit status and its recording
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
