@@ -368,12 +368,12 @@ class Bench:
         bf16 inputs (TF32): the gradients' conditioning on these inputs (0 on CPU)."""
         torch = self.torch
         ref_ins = [t.detach().float().requires_grad_() for t in ins]
-        torch.backends.cuda.matmul.allow_tf32 = True
+        before, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, True
         try:
             h = self.mlstm("ref")(ref_ins, None)
             got = [h.detach(), *torch.autograd.grad(h, ref_ins, dout)]
         finally:
-            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = before
         return [((a - b).abs().max() / (1 + b.abs().max())).item() for a, b in zip(got, want)]
 
     def mlstm_errors(self, ins, dout, want):
