@@ -13,8 +13,9 @@ reads ru_maxrss (its peak resident set so far), runs `--warmup` untimed and `--s
 reads it again: tokens/s from the timed steps, "step MiB" the growth of the peak (a training step's
 whole footprint above the built model: activations, gradients, optimizer state, temporaries). Rounds
 interleave the models (round 1: every model, round 2: every model, ...) so that drifts of the
-machine's speed hit every model alike; the table gives the median over rounds, the spread (min–max)
-and the ratio of medians to the Llama's.
+machine's speed hit every model alike; the table gives the median over rounds, the spread (min–max),
+the ratio of medians to the Llama's, and the ratio to the Llama within each round (median and
+min–max over rounds: a round's ratio is free of drifts between rounds).
 
 `--ranks` measures what the thread sizing of megabam/parallel/threads.py is for: one process, then two
 processes at once (two local ranks on this machine, each training its own copy), with threads sized
@@ -173,17 +174,19 @@ def speed_table(args) -> None:
             print(f"  N={seq}: round {r + 1}/{args.rounds} done", file=sys.stderr)
         batch = max(1, TOKENS_PER_STEP // seq)
         print(f"\nN = {seq} ({batch} × {seq} tokens per step, {args.threads} threads)")
-        print("| model | CPU set-up | tokens/s (median) | spread | × Llama | step MiB | op |")
-        print("|---|---|---:|---:|---:|---:|---|")
+        print("| model | CPU set-up | tokens/s (median) | spread | × Llama | × Llama by round | step MiB | op |")
+        print("|---|---|---:|---:|---:|---:|---:|---|")
         for setup, name in cases:
-            peer = statistics.median(x["tok_s"] for x in runs[setup, PEER])
+            peers = [x["tok_s"] for x in runs[setup, PEER]]
             tok = [x["tok_s"] for x in runs[setup, name]]
+            paired = sorted(t / p for t, p in zip(tok, peers))  # each round's ratio: drifts between rounds cancel
             mib = statistics.median(x["step_mib"] for x in runs[setup, name])
             ops = ", ".join(runs[setup, name][0]["ops"]) or "-"
             label = "transformers Llama (sdpa)" if name == PEER else f"megabam {name}"
+            by_round = f"{statistics.median(paired):.2f} ({paired[0]:.2f}–{paired[-1]:.2f})"
             print(
                 f"| {label} | {SETUPS[setup]} | {statistics.median(tok):,.0f} | {spread(tok)} | "
-                f"{statistics.median(tok) / peer:.2f} | {mib:,.0f} | {ops} |"
+                f"{statistics.median(tok) / statistics.median(peers):.2f} | {by_round} | {mib:,.0f} | {ops} |"
             )
 
 

@@ -65,8 +65,11 @@ def test_cpu_training_benchmark_runs_its_table():
     )
     for setup in ("configure_cpu", "threads only"):
         assert rows["transformers Llama (sdpa)", setup][4] == "1.00"
-        assert rows["megabam rope", setup][6] == "attention:sdpa, rms_norm:c_fused, rope:c_fused, swiglu:c_fused"
-        assert rows["megabam bam+ssmax-ref", setup][6] == "attention:reference, rms_norm:reference, swiglu:reference"
+        assert rows["transformers Llama (sdpa)", setup][5] == "1.00 (1.00–1.00)"  # each round against itself
+        rope = rows["megabam rope", setup]
+        assert rope[5] == f"{float(rope[4]):.2f} ({rope[4]}–{rope[4]})"  # one round: its ratio is the medians'
+        assert rope[7] == "attention:sdpa, rms_norm:c_fused, rope:c_fused, swiglu:c_fused"
+        assert rows["megabam bam+ssmax-ref", setup][7] == "attention:reference, rms_norm:reference, swiglu:reference"
 
 
 def test_cpu_attention_benchmark_runs_its_table():
