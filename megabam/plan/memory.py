@@ -120,10 +120,10 @@ def block_activation_elements(cfg: Config, block, layout: Layout, device: str) -
 def _norms_and_mlp(cfg: Config, device: str) -> tuple[float, float]:
     """Elements per token the two norms and the SwiGLU MLP of a block save: in PyTorch each norm its input,
     x·rstd and output (the next projection's input), the MLP gate|up, silu(gate) and the product
-    (`down`'s input); on CPU in fp32 their C forms (kernels/cpu_fused.py) save no x·rstd and no
-    silu(gate), only 1/rms per row."""
+    (`down`'s input); on CPU in fp32 under model.kernels=auto (where kernels/dispatch.py picks them)
+    their C forms (kernels/cpu_fused.py) save no x·rstd and no silu(gate), only 1/rms per row."""
     h, f = cfg.model.d_model, cfg.model.ffn_hidden_size()
-    if device == "cpu" and _dtype_bytes(cfg) == 4:
+    if device == "cpu" and _dtype_bytes(cfg) == 4 and cfg.model.kernels == "auto":
         return 4 * h + 2, 3 * f
     return 6 * h, 4 * f
 
