@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import dataclasses
+import gc
 import os
 import signal
 import sys
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)
+    _start_collecting()
     if args.command == "launch":
         return run_launch(args)
     if args.command == "plan":
@@ -131,6 +133,7 @@ def _train(args) -> int:
     from megabam.train.run_lock import RunDirError
     from megabam.train.trainer import TooManyBadSteps, train
 
+    _start_collecting()
     try:
         summary = train(cfg, fresh=args.fresh, resume=args.resume)
     except (RunDirError, ConfigError, DataError, CheckpointError) as e:  # DataError: a bad sample met while streaming
@@ -162,9 +165,24 @@ def describe_config(cls, prefix: str = "") -> list[str]:
     return lines
 
 
+def _start_collecting() -> None:
+    """The end of a process's start-up (run() holds the garbage collector until here): what the imports
+    built lives as long as the process, so the collector is told to skip it from now on, then resumes.
+    A no-op where collections were never held (main called in-process, by tests)."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
+
+
 def run() -> None:
     """The process entry point (`megabam`, `python -m megabam.cli`): main's code, recorded for the
     launch scripts, as the exit status."""
+    # Start-up imports (torch, DeepSpeed, the trainer) build millions of long-lived objects; each full
+    # collection while they grow walks all of them, and the interpreter's last collection at exit walks
+    # them again. No collections during start-up, and those objects frozen after it (_start_collecting),
+    # took a tiny training run from 5.0 to 4.1 s (docs/benchmarks.md, issue 16). Not frozen at exit too
+    # (0.3 s more): objects of extensions (Triton's) left uncollected make them print leak warnings.
+    gc.disable()
     # megabam compiles nothing, yet DeepSpeed's ZeRO optimizer check imports its Muon module, whose
     # module-level torch.compile loads the inductor backend: ~1 s of every process's start
     # (docs/benchmarks.md). With dynamo disabled torch.compile returns the function as it is. Set for

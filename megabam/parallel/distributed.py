@@ -18,6 +18,12 @@ from megabam.parallel.threads import configure_cpu
 
 log = logging.getLogger(__name__)
 NOTE_EVERY_S = 30  # how long a start-up wait may last before it says again what it waits for
+# How often a rank waiting for the build lock tries it again, and when it first says so. Once the op is
+# built a holder only loads it (~0.1 s), so on every multi-rank start all but one rank wait that long:
+# polling each second made them wait a whole second (docs/benchmarks.md, issue 16), and a note on
+# every start would be noise.
+LOCK_POLL_S = 0.05
+FIRST_NOTE_S = 1.0
 
 
 def init_distributed() -> None:
@@ -75,19 +81,19 @@ def extension_build_lock(folder: Path):
     while DeepSpeed may build in it. Holding it, no other megabam process is building there, so the
     `lock` file torch's builder leaves when killed mid-build (on which every later start would wait
     for ever, silently) is stale: it is removed, with a message. A wait for another process's build
-    says what it waits for, every NOTE_EVERY_S seconds."""
+    says what it waits for after FIRST_NOTE_S, then every NOTE_EVERY_S seconds."""
     folder.mkdir(parents=True, exist_ok=True)
     with (folder / ".megabam-build.lock").open("a+") as f:
-        waited = 0
+        note_at = time.monotonic() + FIRST_NOTE_S
         while True:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if waited % NOTE_EVERY_S == 0:
+                if time.monotonic() >= note_at:
                     log.warning(f"waiting for another megabam process that is building DeepSpeed's ops in {folder}")
-                time.sleep(1.0)
-                waited += 1
+                    note_at = time.monotonic() + NOTE_EVERY_S
+                time.sleep(LOCK_POLL_S)
         try:
             for stale in folder.glob("*/lock"):
                 log.warning(f"removed a stale build lock {stale} (left by a process killed while building)")

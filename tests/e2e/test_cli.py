@@ -77,3 +77,30 @@ def test_a_megabam_process_does_not_load_the_compiler_deepspeed_asks_for(user_se
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"inductor loaded: {loaded}" in result.stdout
+
+
+def test_a_megabam_process_holds_the_garbage_collector_through_its_start_up(tmp_path):
+    """The entry point runs no collection while start-up imports build their long-lived objects, then
+    freezes those and collects again (megabam/cli.py: ~0.9 s of a tiny training run). Through train up
+    to the point where it refuses a resume with nothing to resume: every import a run needs is done."""
+    code = (
+        "import gc, sys\n"
+        "from megabam import cli\n"
+        "seen, start = {}, cli._start_collecting\n"
+        "def spy():\n"
+        "    seen.update(held=not gc.isenabled(), full=gc.get_stats()[2]['collections'])\n"
+        "    start()\n"
+        "    seen.update(collecting=gc.isenabled(), frozen=gc.get_freeze_count())\n"
+        "cli._start_collecting = spy\n"
+        f"sys.argv = ['megabam', 'train', 'yaml_configs/tiny_cpu.yaml', 'run.output_dir={tmp_path}', '--resume']\n"
+        "try:\n"
+        "    cli.run()\n"
+        "except SystemExit as e:\n"
+        "    print('exit', e.code, seen, 'trainer' in str(sys.modules))\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo)
+    assert "no checkpoint to resume from" in result.stderr, result.stderr[-2000:]
+    out = result.stdout.strip()
+    assert out.startswith("exit 2 {'held': True, 'full': 0, 'collecting': True, 'frozen': ") and out.endswith("True")
+    assert int(out.split("'frozen': ")[1].split("}")[0]) > 100_000  # torch, DeepSpeed, the trainer
