@@ -7,7 +7,8 @@ LlamaForCausalLM with its `sdpa` attention. megabam runs its CPU path exactly as
 (kernels/dispatch.py picks the op; the choice is printed per case).
 
 Method: every (model, length, round) case runs in a fresh subprocess that sets up the CPU as
-training does (megabam.parallel.threads.configure_cpu: threads sized, denormals flushed; for the
+training does (megabam.parallel.threads.configure_cpu: threads sized, denormals flushed; the garbage
+collector held through start-up and what it built frozen, as megabam's entry point does; for the
 Llama too; `--setups megabam torch` adds cases that set the thread count alone), builds the model,
 reads ru_maxrss (its peak resident set so far), runs `--warmup` untimed and `--steps` timed steps and
 reads it again: tokens/s from the timed steps, "step MiB" the growth of the peak (a training step's
@@ -27,6 +28,7 @@ by megabam (cores ÷ local ranks) and with torch's default (every process takes 
 """
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -101,6 +103,8 @@ def llama_model(seq_len: int):
 
 def run_case(args) -> None:
     """Child: train one model for warm-up + timed steps; print one JSON line."""
+    if args.setup == "megabam":  # megabam's entry point holds the collector through start-up (cli.run)
+        gc.disable()
     import torch
 
     if args.setup == "megabam":  # as training does; else torch's defaults (OMP_NUM_THREADS, or every core)
@@ -110,6 +114,9 @@ def run_case(args) -> None:
     torch.manual_seed(0)
     model, loss_fn, cfg = llama_model(args.seq) if args.case == PEER else megabam_model(args.case, args.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    if args.setup == "megabam":  # and freezes what start-up built (cli._start_collecting)
+        gc.freeze()
+        gc.enable()
     batch = max(1, TOKENS_PER_STEP // args.seq)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg.vocab_size, (batch, args.seq + 1), generator=g) for _ in range(4)]

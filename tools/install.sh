@@ -50,4 +50,7 @@ fi
 "${PIP[@]}" --no-deps "mosaicml-streaming==0.13.0"
 "$PY" -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation "deepspeed>=0.16,<0.20"
 "${PIP[@]}" --no-deps --no-build-isolation -e .
+# DeepSpeed's CPU communication op (~20 s) and the C libraries of the CPU path, built now rather than
+# by the first run (or the first test) that needs them; where one cannot be built, the run says so.
+"$PY" -m megabam.prebuild
 echo "install.sh: megabam installed for $PY"

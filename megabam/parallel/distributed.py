@@ -38,11 +38,9 @@ def init_distributed() -> None:
         return
     os.environ.update(launch_environment())  # LOCAL_WORLD_SIZE too: streaming and the thread count read it
     configure_cpu()  # before any parallel work: ranks sharing a node must not oversubscribe its cores
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_extensions_dir()))
     # Built (first start: ~20 s) or loaded under the lock, but outside the rendezvous: a rank holding
     # the lock while it waits for the others to join would wait for ever on those waiting for the lock.
-    with extension_build_lock(Path(os.environ["TORCH_EXTENSIONS_DIR"])):
-        _build_deepspeed_cpu_op()
+    build_ops()
     world = int(os.environ["WORLD_SIZE"])
     if world > 1:  # the rendezvous waits for every rank; say so before waiting
         log.info(
@@ -55,6 +53,14 @@ def init_distributed() -> None:
 def rank_device() -> torch.device:
     """This rank's device: GPU LOCAL_RANK of the node where CUDA is present, else the CPU."""
     return torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_ops() -> None:
+    """DeepSpeed's ops that joining needs, built now (the first time: ~20 s) or loaded, under megabam's
+    lock in its extensions folder. Also run at install (megabam/prebuild.py)."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_extensions_dir()))
+    with extension_build_lock(Path(os.environ["TORCH_EXTENSIONS_DIR"])):
+        _build_deepspeed_cpu_op()
 
 
 def _build_deepspeed_cpu_op() -> None:

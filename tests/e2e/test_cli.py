@@ -104,3 +104,18 @@ def test_a_megabam_process_holds_the_garbage_collector_through_its_start_up(tmp_
     out = result.stdout.strip()
     assert out.startswith("exit 2 {'held': True, 'full': 0, 'collecting': True, 'frozen': ") and out.endswith("True")
     assert int(out.split("'frozen': ")[1].split("}")[0]) > 100_000  # torch, DeepSpeed, the trainer
+
+
+def test_prebuild_builds_or_finds_what_a_first_start_needs():
+    """`python -m megabam.prebuild` (tools/install.sh runs it) leaves DeepSpeed's CPU communication op
+    and the C libraries in megabam's cache, where the trainer's first start finds them: the same
+    folders the trainer reads (megabam/parallel/distributed.py, kernels/cpu_build.py). Run on this
+    environment's cache, which install.sh has filled (else this builds it, as a first run would)."""
+    from megabam.kernels.cpu_build import cache_folder
+
+    result = subprocess.run([sys.executable, "-m", "megabam.prebuild"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "C tiles built" in result.stdout and "fused C ops built" in result.stdout, result.stdout
+    folder = Path(result.stdout.split("DeepSpeed's ops in ")[1].split()[0])
+    assert list(folder.glob("deepspeed_shm_comm/*.so")), folder
+    assert {p.name.split("-")[0] for p in cache_folder().glob("*.so")} >= {"bam_tiles", "cpu_fused"}
