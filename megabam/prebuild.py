@@ -2,7 +2,9 @@
 CPU communication op (megabam/parallel/distributed.py; ~20 s) and the C libraries of the CPU path
 (kernels/cpu_build.py) — into megabam's cache. tools/install.sh runs it, so that neither a newcomer's
 first run nor the test suite waits for them. Nothing here is needed: without it they are built when
-first used, as before. Exit code 0 even where one cannot be built (the PyTorch forms then run)."""
+first used, as before. A C library that cannot be built is reported ("unavailable": the PyTorch forms
+then run) and the exit code stays 0; a DeepSpeed op that fails to build fails this, as it would fail
+the first training start."""
 
 import os
 
