@@ -120,3 +120,19 @@ def test_prebuild_builds_or_finds_what_a_first_start_needs():
     folder = Path(result.stdout.split("DeepSpeed's ops in ")[1].split()[0])
     assert list(folder.glob("deepspeed_shm_comm/*.so")), folder
     assert {p.name.split("-")[0] for p in cache_folder().glob("*.so")} >= {"bam_tiles", "cpu_fused"}
+
+
+def test_prebuild_without_a_working_compiler_says_so_in_one_line(tmp_path):
+    """No working compiler (CC and CXX fail): the C libraries are reported unavailable (the PyTorch
+    forms run; exit code unaffected), and DeepSpeed's op, which CPU training cannot do without, fails
+    the command with one line naming it and its folder rather than a traceback."""
+    env = dict(os.environ, MEGABAM_CACHE=str(tmp_path), CC="/bin/false", CXX="/bin/false")
+    env.pop("TORCH_EXTENSIONS_DIR", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "megabam.prebuild"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 1, result.stdout + result.stderr[-2000:]
+    assert "C tiles unavailable" in result.stdout and "fused C ops unavailable" in result.stdout
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("megabam.prebuild: DeepSpeed's CPU communication op did not build in " + str(tmp_path))
+    assert "Traceback" not in result.stderr
