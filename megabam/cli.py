@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)
-    _start_collecting()
+    start_collecting()
     if args.command == "launch":
         return run_launch(args)
     if args.command == "plan":
@@ -133,7 +133,7 @@ def _train(args) -> int:
     from megabam.train.run_lock import RunDirError
     from megabam.train.trainer import TooManyBadSteps, train
 
-    _start_collecting()
+    start_collecting()
     try:
         summary = train(cfg, fresh=args.fresh, resume=args.resume)
     except (RunDirError, ConfigError, DataError, CheckpointError) as e:  # DataError: a bad sample met while streaming
@@ -165,10 +165,11 @@ def describe_config(cls, prefix: str = "") -> list[str]:
     return lines
 
 
-def _start_collecting() -> None:
-    """The end of a process's start-up (run() holds the garbage collector until here): what the imports
-    built lives as long as the process, so the collector is told to skip it from now on, then resumes.
-    A no-op where collections were never held (main called in-process, by tests)."""
+def start_collecting() -> None:
+    """The end of a process's start-up (run() holds the garbage collector until here; so do
+    tools/bench_cpu_train.py's cases): what the imports built lives as long as the process, so the
+    collector is told to skip it from now on, then resumes. A no-op where collections were never held
+    (main called in-process, by tests)."""
     if not gc.isenabled():
         gc.freeze()
         gc.enable()
@@ -179,7 +180,7 @@ def run() -> None:
     launch scripts, as the exit status."""
     # Start-up imports (torch, DeepSpeed, the trainer) build millions of long-lived objects; each full
     # collection while they grow walks all of them, and the interpreter's last collection at exit walks
-    # them again. No collections during start-up, and those objects frozen after it (_start_collecting),
+    # them again. No collections during start-up, and those objects frozen after it (start_collecting),
     # took a tiny training run from 5.0 to 4.1 s (docs/benchmarks.md, issue 16). Not frozen at exit too
     # (0.3 s more): objects of extensions (Triton's) left uncollected make them print leak warnings.
     gc.disable()

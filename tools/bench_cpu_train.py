@@ -114,9 +114,10 @@ def run_case(args) -> None:
     torch.manual_seed(0)
     model, loss_fn, cfg = llama_model(args.seq) if args.case == PEER else megabam_model(args.case, args.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    if args.setup == "megabam":  # and freezes what start-up built (cli._start_collecting)
-        gc.freeze()
-        gc.enable()
+    if args.setup == "megabam":  # and freezes what start-up built
+        from megabam.cli import start_collecting
+
+        start_collecting()
     batch = max(1, TOKENS_PER_STEP // args.seq)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg.vocab_size, (batch, args.seq + 1), generator=g) for _ in range(4)]

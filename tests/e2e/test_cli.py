@@ -86,18 +86,18 @@ def test_a_megabam_process_holds_the_garbage_collector_through_its_start_up(tmp_
     code = (
         "import gc, sys\n"
         "from megabam import cli\n"
-        "seen, start = {}, cli._start_collecting\n"
+        "seen, start = {}, cli.start_collecting\n"
         "def spy():\n"
         "    seen.update(held=not gc.isenabled(), full=gc.get_stats()[2]['collections'] - before)\n"
         "    start()\n"
         "    seen.update(collecting=gc.isenabled(), frozen=gc.get_freeze_count())\n"
-        "cli._start_collecting = spy\n"
+        "cli.start_collecting = spy\n"
         f"sys.argv = ['megabam', 'train', 'yaml_configs/tiny_cpu.yaml', 'run.output_dir={tmp_path}', '--resume']\n"
         "before = gc.get_stats()[2]['collections']  # full collections so far\n"
         "try:\n"
         "    cli.run()\n"
         "except SystemExit as e:\n"
-        "    print('exit', e.code, seen, 'trainer' in str(sys.modules))\n"
+        "    print('exit', e.code, seen, 'megabam.train.trainer' in sys.modules)\n"
     )
     repo = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo)
