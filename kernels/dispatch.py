@@ -1,11 +1,11 @@
 """The entry points of the ops that have Triton kernels (BAM attention, the chunkwise mLSTM cell): the
-kernel for CUDA tensors; on CPU, for attention calls without a prior that torch's fused attention can
-compute (kernels/bam_attention_sdpa.py: RoPE, NoPE, sinusoidal, SSMax alone), that; for the other
-attention calls (a learned prior, documents without a window) the tiled op with its elementwise
-passes in C (kernels/bam_attention_cpu.py, "c_tiles") where its library builds; otherwise the
-PyTorch reference (the tiled op). RMS norms, the SwiGLU product and the rotary embedding take their
-one-pass C forms on CPU (kernels/cpu_fused.py, "c_fused") where its library builds, else their PyTorch
-forms.
+kernel for CUDA tensors; on CPU, for attention, the fused C kernel (kernels/bam_attention_cpu.py,
+"c_tiles": every prior, mask and SSMax variant, faster than torch's fused attention even without a
+prior, docs/benchmarks.md) where its library builds and v's head width is q's; else torch's fused
+attention for the calls it can compute (kernels/bam_attention_sdpa.py: no prior, or a fixed one);
+else the PyTorch reference (the tiled op). RMS norms, the SwiGLU product and the rotary embedding take
+their one-pass C forms on CPU (kernels/cpu_fused.py, "c_fused") where its library builds, else their
+PyTorch forms.
 
 Mode `auto` makes that choice; `triton` or `reference` (the PyTorch reference everywhere, the oracle
 of the kernels' tests) forces one. The mode comes from the config key `model.kernels` (passed here as
@@ -47,15 +47,15 @@ def choose(
     backend: str, tensor: Tensor, op: str = "attention", sdpa_applies: bool = False, c_tiles_apply=lambda: False
 ) -> str:
     """'triton', 'sdpa', 'c_tiles' or 'reference' for a call of `op` on `tensor` under the configured
-    mode `backend`; `sdpa_applies`: whether the fused CPU path can compute this call; `c_tiles_apply()`:
-    whether the C tiles can (asked only in mode auto on CPU, where they are built on first use)."""
+    mode `backend`; `c_tiles_apply()`: whether the C kernel can compute this call (asked only in mode
+    auto on CPU, where it is built on first use); `sdpa_applies`: whether torch's fused attention can."""
     mode = mode_of(backend)
     if mode != "auto":
         choice = mode
     elif tensor.is_cuda:
         choice = "triton"
     else:
-        choice = "sdpa" if sdpa_applies else "c_tiles" if c_tiles_apply() else "reference"
+        choice = "c_tiles" if c_tiles_apply() else "sdpa" if sdpa_applies else "reference"
     # Off the GPU a Triton launch only works under the interpreter (tests, debugging).
     if choice == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
@@ -109,7 +109,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **optio
     """BAM attention on the op that `choose` picks: `options` (theta_alpha, theta_beta, theta_mu,
     ssmax_s, ssmax_before_prior, doc_ids, window, block_size, scale) and the result are those of
     megabam.kernels.bam_attention.bam_attention, which the other ops share."""
-    choice = choose(backend, q, sdpa_applies=bam_attention_sdpa.applies(**options), c_tiles_apply=c_tiles_built)
+    choice = choose(
+        backend,
+        q,
+        sdpa_applies=bam_attention_sdpa.applies(**options),
+        c_tiles_apply=lambda: v.shape[-1] == q.shape[-1] and c_tiles_built(),
+    )
     if choice == "c_tiles":
         op = importlib.import_module(C_TILES).bam_attention_cpu
     elif choice == "triton":

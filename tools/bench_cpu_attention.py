@@ -3,10 +3,11 @@ Llama of the same shape runs), in one process.
 
 Ops: `sdpa causal` (torch.nn.functional.scaled_dot_product_attention, is_causal, no prior: the peer),
 `reference` (kernels/bam_attention.py, the tiled PyTorch op) and `c_tiles` (kernels/bam_attention_cpu.py,
-the same tiling with its elementwise passes in C), the last two with a learned GGD prior and SSMax
-(gradients for q, k, v, θα, θβ and s), fp32, after megabam's CPU set-up (configure_cpu: threads sized,
-denormals flushed). Rounds interleave the ops; the table gives the median over rounds (the first
-dropped as warm-up), the spread and the ratio to the peer.
+the fused C kernel), the last two with a learned GGD prior and SSMax (gradients for q, k, v, θα, θβ
+and s), and `c_tiles, no prior` (the C kernel on the peer's very call: what RoPE and NoPE run), fp32,
+after megabam's CPU set-up (configure_cpu: threads sized, denormals flushed). Rounds interleave the
+ops; the table gives the median over rounds (the first dropped as warm-up), the spread and the ratio
+to the peer.
 
     .venv/bin/python tools/bench_cpu_attention.py --shapes 8x256 1x2048 --rounds 15
 """
@@ -28,7 +29,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["8x256", "1x2048"], help="B x N per call")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=32, help="head width")
-    parser.add_argument("--block", type=int, default=128, help="query rows per tile of the tiled ops")
+    parser.add_argument("--block", type=int, default=128, help="query rows per tile of the tiled reference op")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     threads = configure_cpu()
@@ -51,6 +52,7 @@ def main() -> None:
             "sdpa causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
             "reference": lambda: bam_attention(q, k, v, **prior),
             "c_tiles": lambda: bam_attention_cpu(q, k, v, **prior),
+            "c_tiles, no prior": lambda: bam_attention_cpu(q, k, v),
         }
         times = {name: [] for name in ops}
         for _ in range(args.rounds + 1):

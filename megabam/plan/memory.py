@@ -19,9 +19,9 @@
 - Logits: the output loss runs in chunks of 1,024 tokens (kernels/linear_cross_entropy.py): one
   chunk's fp32 logits (their softmax gradient in place), and the fp32 gradients of the head and of the
   hidden states it computes in its forward pass.
-- Workspace: the attention op's score tiles on CPU (block × keys × heads × micro-batch, fp32; two
-  live in the C tiles' backward pass, a learned prior's op, three in the others'); the Triton kernels
-  keep theirs on chip.
+- Workspace: the attention op's score tiles on CPU under model.kernels=reference (block × keys × heads
+  × micro-batch, fp32, three at once in the backward pass); the C kernel that mode auto runs on CPU
+  (kernels/bam_attention_cpu.py) and the Triton kernels keep theirs in cache or on chip.
 - Buffers: ZeRO's gradient-reduction bucket, allocated at the first backward pass whatever the data
   parallelism (5e8 elements by default; megabam's DeepSpeed config caps it at the rank's parameters).
 - Total: weights, optimizer, buffers and activations, plus the largest transient — the loss's logits
@@ -87,11 +87,11 @@ def rank_parameters(model: Decoder, layout: Layout) -> tuple[int, int]:
 def block_activation_elements(cfg: Config, block, layout: Layout, device: str) -> float:
     """Elements one block saves per token for its backward pass (at the activation dtype; the fp32
     log-sum-exp counted at its size in that dtype), read off megabam's modules: the norms and the
-    SwiGLU what `_norms_and_mlp` says; attention
-    the fused q|k|v, the RoPE-rotated q, k, the op's output where a fused op keeps it (torch's SDPA on
-    CPU, the Triton kernel on GPU; the reference op recomputes it) and its transposed copy, a
-    log-sum-exp per head; the chunkwise mLSTM and Gated DeltaNet their inputs, gates, outputs and one
-    state per chunk, and on CPU (the reference ops) four chunk × chunk tiles per head besides.
+    SwiGLU what `_norms_and_mlp` says; attention the fused q|k|v, the RoPE-rotated q, k, the op's output
+    where a fused op keeps it (the Triton kernel on GPU; on CPU in mode auto the C kernel, with k and v
+    made contiguous in fp32; the reference op recomputes it) and its transposed copy, a log-sum-exp per
+    head; the chunkwise mLSTM and Gated DeltaNet their inputs, gates, outputs and one state per chunk,
+    and on CPU (the reference ops) four chunk × chunk tiles per head besides.
     Counted with megabam/train/live_tensors.py on the tiny configs (docs/benchmarks.md)."""
     m, t, sp = cfg.model, layout.tensor, layout.sequence_parallel
     h, b = m.d_model, _dtype_bytes(cfg)
@@ -102,8 +102,10 @@ def block_activation_elements(cfg: Config, block, layout: Layout, device: str) -
         inner += h + 2 * kv + h + mixer.n_heads * 4 / b  # q|k|v, the transposed output, log-sum-exp
         if mixer.rope_theta is not None:
             inner += h + kv
-        if device == "cuda" or not learned_prior(mixer):
+        if device == "cuda":
             inner += h  # the fused op's own output
+        elif m.kernels == "auto":  # the C kernel's output, k and v, in fp32
+            inner += (h + 2 * kv) * 4 / b
     else:  # mLSTM or Gated DeltaNet, chunkwise
         heads, chunk = mixer.n_heads, mixer.chunk_size
         if hasattr(mixer, "qk_dim"):
@@ -126,18 +128,6 @@ def _norms_and_mlp(cfg: Config, device: str) -> tuple[float, float]:
     if device == "cpu" and _dtype_bytes(cfg) == 4 and cfg.model.kernels == "auto":
         return 4 * h + 2, 3 * f
     return 6 * h, 4 * f
-
-
-def learned_prior(mixer) -> bool:
-    """Whether an attention mixer's positional prior is trained (its op must return the prior's gradient)."""
-    return mixer.prior is not None and any(p.requires_grad for p in mixer.prior.parameters())
-
-
-def cpu_attention_tiles(mixer) -> int:
-    """Score tiles an attention mixer's CPU op holds at once in its backward pass: the C tiles (a
-    learned prior: kernels/bam_attention_cpu.py) make the probabilities and their gradient in place,
-    2; the PyTorch reference and torch's fused op are counted at 3."""
-    return 2 if learned_prior(mixer) else 3
 
 
 def _mixer_inner(cfg: Config, block, layout: Layout, device: str) -> float:
@@ -190,13 +180,13 @@ def memory_bytes(cfg: Config, model: Decoder, layout: Layout, device: str = "cud
     chunk = min(LOSS_CHUNK_TOKENS, tokens)
     d = cfg.model.d_model
     out["logits"] = 4 * (chunk * vocab + vocab * d + tokens * d / layout.tensor)
-    if device == "cpu":
+    if device == "cpu" and cfg.model.kernels != "auto":
         tiles = [
-            cpu_attention_tiles(blk.mixer) * (cfg.model.attention if k == "attention" else cfg.model.swa).block_size
-            for blk, k in zip(model.blocks, kinds)
+            3 * (cfg.model.attention if k == "attention" else cfg.model.swa).block_size
+            for k in kinds
             if k in ("attention", "swa")
         ]
-        if tiles:  # score tiles of block × keys per head, fp32
+        if tiles:  # the reference op's score tiles of block × keys per head, fp32
             keys = cfg.data.seq_len
             out["workspace"] = max(tiles) * layout.micro_batch * cfg.model.n_heads / layout.tensor * keys * 4
     if zero >= 1:

@@ -68,18 +68,19 @@ def test_cpu_training_benchmark_runs_its_table():
         assert rows["transformers Llama (sdpa)", setup][5] == "1.00 (1.00–1.00)"  # each round against itself
         rope = rows["megabam rope", setup]
         assert rope[5] == f"{float(rope[4]):.2f} ({rope[4]}–{rope[4]})"  # one round: its ratio is the medians'
-        assert rope[7] == "attention:sdpa, rms_norm:c_fused, rope:c_fused, swiglu:c_fused"
+        assert rope[7] == "attention:c_tiles, rms_norm:c_fused, rope:c_fused, swiglu:c_fused"
         assert rows["megabam bam+ssmax-ref", setup][7] == "attention:reference, rms_norm:reference, swiglu:reference"
 
 
 def test_cpu_attention_benchmark_runs_its_table():
-    """tools/bench_cpu_attention.py: the tiled op and the C tiles beside torch's causal kernel, at a
-    tiny size, each row with its ratio to the peer (1.00 for the peer itself)."""
+    """tools/bench_cpu_attention.py: the tiled op and the C kernel (with a prior, and without one as
+    torch's kernel) beside torch's causal kernel, at a tiny size, each row with its ratio to the peer
+    (1.00 for the peer itself)."""
     cmd = [sys.executable, "tools/bench_cpu_attention.py", "--shapes", "2x40", "--rounds", "1", "--block", "16"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| 2 × 40 |")]
-    assert [r[1].strip() for r in rows] == ["sdpa causal", "reference", "c_tiles"]
+    assert [r[1].strip() for r in rows] == ["sdpa causal", "reference", "c_tiles", "c_tiles, no prior"]
     assert rows[0][4].strip() == "1.00"
 
 

@@ -230,22 +230,49 @@ def test_window_bounds_key_columns(monkeypatch):
 
 
 def test_c_tiles_window_bounds_key_columns(monkeypatch):
-    """The C tiles' op, too, gives each query block at most block + window - 1 key columns."""
-    widths, real = [], c_tiles.tile_arguments
+    """The C kernel starts each query block at the first key one of its rows sees (block_key_starts,
+    the loop bound of bam_tiles.c): with a window, at most its rows + window - 1 key columns."""
+    starts, real = [], c_tiles.block_key_starts
 
-    def counting(tb, lse, n, qs, ks, C):
-        widths.append(C)
-        return real(tb, lse, n, qs, ks, C)
+    def recording(lo, n):
+        starts.append(real(lo, n))
+        return starts[-1]
 
-    monkeypatch.setattr(c_tiles, "tile_arguments", counting)
-    n, w, blk = 200, 7, 16
+    monkeypatch.setattr(c_tiles, "block_key_starts", recording)
+    n, w, rows = 200, 7, c_tiles.tile_rows()
     ins = make_inputs(torch.float32, n=n)
-    out = c_tiles.bam_attention_cpu(
-        *ins[:3], theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6], window=w, block_size=blk
-    )
+    out = c_tiles.bam_attention_cpu(*ins[:3], theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6], window=w)
     out.sum().backward()
-    assert len(widths) == 2 * math.ceil(n / blk)
-    assert max(widths) <= blk + w - 1
+    assert len(starts) == 2  # forward and backward
+    ends = torch.arange(rows, n + rows, rows).clamp(max=n)
+    for ks in starts:
+        assert ks.shape == (1, math.ceil(n / rows))
+        assert (ends - ks[0]).max() == rows + w - 1
+
+
+@pytest.mark.parametrize("dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_c_tiles_head_widths_compiled_as_constants_match(dim, dtype):
+    """bam_tiles.c compiles D = 32, 64 and 128 as constants and its vector products for widths that
+    are whole vectors (16 here: the run-time loop over vectors); the other tests use D = 8 (the scalar
+    loops). 150 rows: two full 64-row blocks and a partial one, a window wider than a block, documents."""
+    g = torch.Generator().manual_seed(dim)
+    n, heads = 150, 2
+    q, k, v = (torch.randn(1, heads, n, dim, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
+    theta = [torch.tensor(x, dtype=dtype, requires_grad=True) for x in ([-1.0, -2.0], [-0.6, 1.3], [0.2, 1.0])]
+    docs = torch.tensor([[0] * 40 + [1] * 110])
+    for options in (dict(), dict(window=90, doc_ids=docs)):
+        out = c_tiles.bam_attention_cpu(q, k, v, theta_alpha=theta[0], theta_beta=theta[1], ssmax_s=theta[2], **options)
+        dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        got = (out, *torch.autograd.grad(out, (q, k, v, *theta), dout.to(dtype)))
+        ref_ins = [t.detach().double().requires_grad_() for t in (q, k, v, *theta)]
+        ref = dense_reference(*ref_ins[:5], None, s=ref_ins[5], **options)
+        want = (ref, *torch.autograd.grad(ref, ref_ins, dout))
+        names = ["out", "dq", "dk", "dv", "dalpha", "dbeta", "ds"]
+        tol = 1e-10 if dtype == torch.float64 else 1e-4
+        for name, a, b in zip(names, got, want):
+            err = (a.double() - b).abs().max().item()
+            assert err <= tol * (1 + b.abs().max().item()), f"{name} {options}: max err {err:.3g}"
 
 
 def test_c_tiles_same_result_on_one_and_two_threads():

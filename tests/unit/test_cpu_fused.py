@@ -178,8 +178,7 @@ def test_a_failed_build_falls_back_to_the_pytorch_forms(tmp_path, monkeypatch, c
 @pytest.mark.parametrize("positional", ["ggd_bam", "rope"])
 def test_decoder_trains_alike_on_both_forms(monkeypatch, positional):
     """A whole model (tiny_cpu's, narrower; GGD-BAM + SSMax or RoPE) in float64: loss and every gradient
-    of mode auto (the C forms, and the C attention tiles or torch's fused attention) equal mode
-    reference (PyTorch everywhere)."""
+    of mode auto (the C forms and the C attention kernel) equal mode reference (PyTorch everywhere)."""
     ran, results = _ran(monkeypatch), []
     for mode in ("auto", "reference"):
         overrides = ["model.d_model=32", "model.n_layers=2", f"model.kernels={mode}"]
@@ -193,7 +192,7 @@ def test_decoder_trains_alike_on_both_forms(monkeypatch, positional):
     # mode auto: 2 norms and an MLP per layer (and the rotation under RoPE), the final norm
     assert ran == ["c_fused"] * (9 if positional == "rope" else 7)
     attention = {choice for op, mode, choice in dispatch.logged_choices if op == "attention" and mode == "auto"}
-    assert attention == {"sdpa" if positional == "rope" else "c_tiles"}
+    assert attention == {"c_tiles"}
     for a, b in zip(*results):
         assert (a is None) == (b is None)  # parameters without a gradient (θ_μ here) on both
         if b is not None:

@@ -1,6 +1,7 @@
 """The dispatch point (kernels/dispatch.py) of each op that has a Triton kernel: on CPU tensors unless
-forced, the reference for the mLSTM and for attention torch's fused attention without a prior, the C
-tiles (kernels/bam_attention_cpu.py) with one; the kernel when forced (under the interpreter here),
+forced, the reference for the mLSTM and for attention the C kernel (kernels/bam_attention_cpu.py),
+where it cannot build torch's fused attention for the calls it can compute, else the reference; the
+kernel when forced (under the interpreter here),
 the environment winning over the config, each choice logged once per op, and bad modes refused in one
 line.
 
@@ -122,51 +123,53 @@ def _call(backend="auto", prior=False, **options):
     return dispatch.attention(q, k, v, ssmax_s=0.5 + torch.rand(3, generator=g), backend=backend, **options)
 
 
-def test_auto_on_cpu_fuses_attention_without_a_prior(attention_ops, caplog):
+def test_auto_on_cpu_runs_the_c_kernel_else_torchs_fused_attention(attention_ops, caplog, monkeypatch):
     docs = torch.tensor([[0] * 20 + [1] * 17] * 2)
+    calls = [dict(), dict(window=8), dict(window=8, doc_ids=docs), dict(prior=True), dict(doc_ids=docs)]
     with caplog.at_level(logging.INFO, logger=dispatch.__name__):
-        fused = _call()
-        _call(window=8)
-        _call(window=8, doc_ids=docs)
-        tiles = _call(prior=True)  # a prior under SSMax's scale: the tiled op, its passes in C
-        _call(doc_ids=docs)  # documents without a window: the tiled op too (bounded masks)
-        reference = _call("reference")
-        reference_prior = _call("reference", prior=True)
-    assert attention_ops == ["sdpa", "sdpa", "sdpa", "c_tiles", "c_tiles", "reference", "reference"]
+        c_kernel = [_call(**kw) for kw in calls]  # every variant, with or without a prior
+        monkeypatch.setattr(dispatch, "c_tiles_built", lambda: False)  # as where no compiler works
+        fallback = [_call(**kw) for kw in calls]
+        references = [_call("reference", **kw) for kw in calls]
+    assert attention_ops == ["c_tiles"] * 5 + ["sdpa"] * 3 + ["reference"] * 7
     assert [r.getMessage() for r in caplog.records] == [
-        "attention op: sdpa (mode auto, cpu tensors)",
         "attention op: c_tiles (mode auto, cpu tensors)",
+        "attention op: sdpa (mode auto, cpu tensors)",
+        "attention op: reference (mode auto, cpu tensors)",
         "attention op: reference (mode reference, cpu tensors)",
     ]
-    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(tiles, reference_prior, rtol=1e-5, atol=1e-5)
+    for got in (c_kernel, fallback):
+        for a, b in zip(got, references):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_keeps_v_wider_than_q_off_the_c_kernel(attention_ops):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 2, 20, 8, generator=g), torch.randn(1, 2, 20, 8, generator=g), torch.randn(1, 2, 20, 16)
+    out = dispatch.attention(q, k, v)
+    assert attention_ops == ["sdpa"]
+    torch.testing.assert_close(out, dispatch.attention(q, k, v, backend="reference"), rtol=1e-5, atol=1e-5)
 
 
 def test_fused_calls_take_at_least_256_query_rows(monkeypatch):
-    """The tiled op's block_size is a memory bound (block_size · N per tile); the fused op's memory does
-    not grow with it, so the dispatch gives it at least SDPA_MIN_BLOCK rows per call and the tiled op
-    exactly the configured block, as do the C tiles."""
+    """The tiled op's block_size is a memory bound (block_size · N per tile); torch's fused op's memory
+    does not grow with it, so the dispatch gives it at least SDPA_MIN_BLOCK rows per call (where the C
+    kernel cannot build) and the tiled op exactly the configured block."""
     seen = []
-    for module, name in (
-        (dispatch, "bam_attention"),
-        (attention_sdpa, "bam_attention_sdpa"),
-        (attention_c_tiles, "bam_attention_cpu"),
-    ):
+    for module, name in ((dispatch, "bam_attention"), (attention_sdpa, "bam_attention_sdpa")):
         real = getattr(module, name)
         monkeypatch.setattr(
             module, name, lambda *a, real=real, name=name, **kw: seen.append((name, kw["block_size"])) or real(*a, **kw)
         )
+    monkeypatch.setattr(dispatch, "c_tiles_built", lambda: False)
     for block in (16, 512):
         _call(block_size=block)
         _call(prior=True, block_size=block)
-        _call("reference", prior=True, block_size=block)
     assert dispatch.SDPA_MIN_BLOCK == 256
     assert seen == [
         ("bam_attention_sdpa", 256),
-        ("bam_attention_cpu", 16),
         ("bam_attention", 16),
         ("bam_attention_sdpa", 512),
-        ("bam_attention_cpu", 512),
         ("bam_attention", 512),
     ]
 

@@ -170,10 +170,12 @@ def test_the_megabam_command_starts_without_importing_torch():
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
-def test_activations_count_the_c_norms_and_mlp_only_where_they_run():
+def test_activations_count_the_c_ops_only_where_they_run():
     """On CPU in fp32, mode auto runs the one-pass C norms and SwiGLU product (kernels/cpu_fused.py),
-    which save 1/rms per row instead of x·rstd and no silu(gate); mode reference runs the PyTorch forms.
-    By hand, per token and block: two norms save h - 1 fewer elements each, the MLP f fewer."""
+    which save 1/rms per row instead of x·rstd and no silu(gate), and the C attention kernel
+    (kernels/bam_attention_cpu.py), which keeps its output and contiguous k, v; mode reference runs the
+    PyTorch forms. By hand, per token and block: two norms save h - 1 fewer elements each, the MLP f
+    fewer, attention h + 2·kv more."""
     from megabam.plan.memory import block_activation_elements
 
     counts = {}
@@ -182,4 +184,5 @@ def test_activations_count_the_c_norms_and_mlp_only_where_they_run():
         block = meta_model(cfg).blocks[0]
         counts[mode] = block_activation_elements(cfg, block, config_layout(cfg, 1), "cpu")
     h, f = cfg.model.d_model, cfg.model.ffn_hidden_size()
-    assert counts["reference"] - counts["auto"] == 2 * (h - 1) + f
+    kv = block.mixer.kv_heads * block.mixer.head_dim
+    assert counts["reference"] - counts["auto"] == 2 * (h - 1) + f - (h + 2 * kv)
