@@ -10,8 +10,8 @@
  * logits as key-row by query-column products (keys against the block's transposed queries), the
  * prior as the row vector table[N - 1 - j + i] (contiguous in i for a key j), the masks as compares
  * with the rows' first keys. Products summed over a tile's rows (dK, dV) run along the head
- * dimension instead, compiled for D = 32, 64 and 128 (any other D takes the same code with D known
- * at run time only).
+ * dimension instead; fp32 is compiled for D = 32, 64 and 128 as constants (any other D, and fp64,
+ * take the same code with D known at run time only).
  *
  * Arguments: q (the queries times scale and SSMax's factor), k, v, out, dq, dk, dv are (B·H, N, D)
  * row-major; lse, delta (B·H, N); lo[b * lo_b + i] the first key row i may see (causal, window and
@@ -22,8 +22,8 @@
  * gradient sums (NULL for 1); sums (B·H, stride sums_bh) receive them at the table's offsets.
  */
 /* The exp and prior loops below are left to the compiler's vectoriser, which GCC keeps to 256-bit
- * vectors by default even where 512-bit ones exist: at 2,048 tokens the wider ones take ~10 % off
- * the backward (docs/benchmarks.md, issue 16). */
+ * vectors by default even where 512-bit ones exist: the wider ones took the backward at 1 x 2,048
+ * tokens, 4 heads of 32, from 13.8 to 12.0 ms (a scratch timing beside tools/bench_cpu_attention.py). */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #pragma GCC target("prefer-vector-width=512")
 #endif
