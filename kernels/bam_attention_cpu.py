@@ -61,6 +61,12 @@ def tile_rows() -> int:
     return ctypes.c_int64.in_dll(library(), "tile_rows").value
 
 
+def wide_vectors() -> bool:
+    """Whether the kernel was compiled for 512-bit vectors (AVX-512), where it is measured faster than
+    torch's fused attention without a prior too (docs/benchmarks.md); narrower builds are not."""
+    return ctypes.c_int64.in_dll(library(), "vector_bytes").value >= 64
+
+
 class CallTables(NamedTuple):
     """What the forward and the backward both compute from the inputs, once per call."""
 

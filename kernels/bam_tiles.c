@@ -32,7 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ROWS 64 /* query rows per block: 4 AVX-512 vectors of fp32 */
+#define ROWS 64 /* query rows per block: 4 AVX-512 vectors of fp32, 8 AVX2 ones */
 #define KEYS 64 /* keys per tile */
 const int64_t tile_rows = ROWS;
 
@@ -57,14 +57,30 @@ const int64_t tile_rows = ROWS;
     for (int64_t d = 0; d < KD; d++)                                                                   \
         for (int64_t r = 0; r < ROWS; r++) qt[d * ROWS + r] = r < R ? q[(bh * N + qs + r) * D + d] : 0;
 
-/* The tile's products, on vectors of the compiler's (GCC/Clang vector extensions: AVX-512 here,
- * split into halves or quarters on narrower machines) so that the sums stay in registers; written as
- * plain loops over arrays they went through the stack. V: VL values; a row vector of a tile is NV of
- * them. The `u` passes take several keys (or columns) at once: 16 sums in flight, of 32 registers. */
+/* The tile's products run on the compiler's vector types (GCC/Clang vector extensions) so that their
+ * sums stay in registers; written as plain loops over arrays they went through the stack. The vectors
+ * are the machine's own width: wider ones, split by the compiler, ran 35x slower on AVX2. NACC: the
+ * sums a product keeps in flight, half the vector registers (or all of SSE's and AVX2's 16, less what
+ * the operands need). V: VL values; a row vector of a tile is NV of them. */
+#if defined(__AVX512F__)
+#define VBYTES 64
+#define NACC 16
+#elif defined(__AVX__)
+#define VBYTES 32
+#define NACC 8
+#else
+#define VBYTES 16
+#define NACC 8
+#endif
+
+const int64_t vector_bytes = VBYTES; /* read by kernels/dispatch.py */
+
 #define DEFINE_PRODUCTS(T, SUF)                                                                          \
-    typedef T V_##SUF __attribute__((vector_size(64)));                                                  \
-    typedef T VU_##SUF __attribute__((vector_size(64), aligned(sizeof(T)))); /* unaligned */             \
-    enum { VL_##SUF = 64 / sizeof(T), NV_##SUF = ROWS / VL_##SUF };                                      \
+    typedef T V_##SUF __attribute__((vector_size(VBYTES)));                                              \
+    typedef T VU_##SUF __attribute__((vector_size(VBYTES), aligned(sizeof(T)))); /* unaligned */         \
+    enum { VL_##SUF = VBYTES / sizeof(T), NV_##SUF = ROWS / VL_##SUF };                                  \
+    /* keys (or columns) per pass of the row-vector products: NACC sums, at least one row vector */      \
+    enum { U_##SUF = NACC / NV_##SUF > 0 ? NACC / NV_##SUF : 1 };                                        \
                                                                                                          \
     /* st[c] = sum_d k[kb + c][d] * qt[d] for keys c0 .. c0 + U - 1: U row vectors of a key-major tile */ \
     static inline __attribute__((always_inline)) void key_rows_##SUF(T *st, const T *qt, const T *k,    \
@@ -107,7 +123,7 @@ const int64_t tile_rows = ROWS;
     static inline __attribute__((always_inline)) void rows_sum_v_##SUF(T *acc, const T *t, const T *x, \
                                                                     int64_t DV, int64_t R, int64_t c0, \
                                                                     int U) {                           \
-        V_##SUF s[8][8];                                                                                 \
+        V_##SUF s[8][16];                                                                                \
         for (int u = 0; u < U; u++)                                                                      \
             for (int64_t e = 0; e < DV; e++) s[u][e] = (V_##SUF){0};                                     \
         for (int64_t r = 0; r < R; r++) {                                                                \
@@ -129,7 +145,7 @@ const int64_t tile_rows = ROWS;
     static void logits_##SUF##_##DN(T *st, const T *qt, const T *k, const T *prior, const T *a,        \
                                     const int64_t *lor, int64_t N, int64_t D, int64_t qs, int64_t R,    \
                                     int64_t kb, int64_t n, int mask) {                                 \
-        enum { U = 16 / NV_##SUF };                                                                    \
+        enum { U = U_##SUF };                                                                          \
         int64_t c = 0;                                                                                 \
         for (; c + U <= n; c += U) key_rows_##SUF(st, qt, k + kb * D, KD, D, c, U);                    \
         for (; c < n; c++) key_rows_##SUF(st, qt, k + kb * D, KD, D, c, 1);                            \
@@ -151,7 +167,7 @@ const int64_t tile_rows = ROWS;
      * per output column. */                                                                           \
     static void tile_times_rows_##SUF##_##DN(T *ot, const T *pt, const T *v, int64_t D, int64_t kb,    \
                                              int64_t n) {                                              \
-        enum { U = 16 / NV_##SUF };                                                                    \
+        enum { U = U_##SUF };                                                                          \
         int64_t d = 0;                                                                                 \
         for (; d + U <= KD; d += U) column_rows_##SUF(ot, pt, v + kb * D, D, n, d, U);                 \
         if (KD % U) /* a width that is no multiple of U (none of the constant ones) */                \
@@ -161,14 +177,14 @@ const int64_t tile_rows = ROWS;
     /* acc[kb + c][:] += sum_{r < R} t[c][r] * x[r][:]: a tile's sums over its rows (dK, dV). */       \
     static void rows_sum_##SUF##_##DN(T *acc, const T *t, const T *x, int64_t D, int64_t R, int64_t kb, \
                                       int64_t n) {                                                     \
-        if (KD % VL_##SUF == 0 && KD <= 8 * VL_##SUF) {                                                \
-            const int64_t DV = KD / VL_##SUF;                                                          \
+        if (KD % VL_##SUF == 0 && KD <= 16 * VL_##SUF) {                                               \
+            const int64_t DV = KD / VL_##SUF, per = NACC / DV; /* keys per pass: NACC sums */         \
             int64_t c = 0;                                                                             \
-            if (DV <= 2)                                                                               \
+            if (per >= 8)                                                                              \
                 for (; c + 8 <= n; c += 8) rows_sum_v_##SUF(acc + kb * D, t, x, DV, R, c, 8);          \
-            else if (DV <= 4)                                                                          \
+            else if (per >= 4)                                                                         \
                 for (; c + 4 <= n; c += 4) rows_sum_v_##SUF(acc + kb * D, t, x, DV, R, c, 4);          \
-            else                                                                                       \
+            else if (per >= 2)                                                                         \
                 for (; c + 2 <= n; c += 2) rows_sum_v_##SUF(acc + kb * D, t, x, DV, R, c, 2);          \
             for (; c < n; c++) rows_sum_v_##SUF(acc + kb * D, t, x, DV, R, c, 1);                      \
             return;                                                                                    \

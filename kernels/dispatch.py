@@ -1,9 +1,10 @@
 """The entry points of the ops that have Triton kernels (BAM attention, the chunkwise mLSTM cell): the
 kernel for CUDA tensors; on CPU, for attention, the fused C kernel (kernels/bam_attention_cpu.py,
-"c_tiles": every prior, mask and SSMax variant, faster than torch's fused attention even without a
-prior, docs/benchmarks.md) where its library builds and v's head width is q's; else torch's fused
-attention for the calls it can compute (kernels/bam_attention_sdpa.py: no prior, or a fixed one);
-else the PyTorch reference (the tiled op). RMS norms, the SwiGLU product and the rotary embedding take
+"c_tiles": every prior, mask and SSMax variant) where its library builds and v's head width is q's,
+except that calls torch's fused attention can compute (kernels/bam_attention_sdpa.py: no prior, or a
+fixed one) go to torch where the kernel was built for vectors narrower than 512 bits (measured faster
+than torch with AVX-512, not measured against it without); else torch's fused attention where it
+applies; else the PyTorch reference (the tiled op). RMS norms, the SwiGLU product and the rotary embedding take
 their one-pass C forms on CPU (kernels/cpu_fused.py, "c_fused") where its library builds, else their
 PyTorch forms.
 
@@ -105,16 +106,21 @@ def c_tiles_built() -> bool:
     return importlib.import_module(C_TILES).library() is not None
 
 
+def c_tiles_wide() -> bool:
+    """Whether the C kernel was built for 512-bit vectors (kernels/bam_attention_cpu.wide_vectors)."""
+    return importlib.import_module(C_TILES).wide_vectors()
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **options) -> Tensor:
     """BAM attention on the op that `choose` picks: `options` (theta_alpha, theta_beta, theta_mu,
     ssmax_s, ssmax_before_prior, doc_ids, window, block_size, scale) and the result are those of
     megabam.kernels.bam_attention.bam_attention, which the other ops share."""
-    choice = choose(
-        backend,
-        q,
-        sdpa_applies=bam_attention_sdpa.applies(**options),
-        c_tiles_apply=lambda: v.shape[-1] == q.shape[-1] and c_tiles_built(),
-    )
+    sdpa_applies = bam_attention_sdpa.applies(**options)
+
+    def c_tiles_apply() -> bool:
+        return v.shape[-1] == q.shape[-1] and c_tiles_built() and (not sdpa_applies or c_tiles_wide())
+
+    choice = choose(backend, q, sdpa_applies=sdpa_applies, c_tiles_apply=c_tiles_apply)
     if choice == "c_tiles":
         op = importlib.import_module(C_TILES).bam_attention_cpu
     elif choice == "triton":

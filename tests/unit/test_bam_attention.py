@@ -4,6 +4,7 @@ the formula (methods.md §1). Tests taking the `op` fixture run on both."""
 
 import logging
 import math
+import platform
 import shutil
 
 import pytest
@@ -255,7 +256,34 @@ def test_c_tiles_window_bounds_key_columns(monkeypatch):
 def test_c_tiles_head_widths_compiled_as_constants_match(dim, dtype):
     """bam_tiles.c compiles D = 32, 64 and 128 as constants and its vector products for widths that
     are whole vectors (16 here: the run-time loop over vectors); the other tests use D = 8 (the scalar
-    loops). 150 rows: two full 64-row blocks and a partial one, a window wider than a block, documents."""
+    loops)."""
+    assert_c_tiles_match_dense(dim, dtype)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86 instruction set")
+def test_c_tiles_built_for_avx2_match(tmp_path, monkeypatch):
+    """Built for a machine without AVX-512 (-march=haswell: 256-bit vectors, 16 registers; this CPU
+    runs that code too), the kernel computes the same: its vector width and sums in flight follow the
+    target (bam_tiles.c's VBYTES, NACC)."""
+    from megabam.kernels import cpu_build
+
+    flags = [f if f != "-march=native" else "-march=haswell" for f in cpu_build.COMPILE_FLAGS]
+    monkeypatch.setattr(cpu_build, "COMPILE_FLAGS", flags)
+    monkeypatch.setenv("MEGABAM_CACHE", str(tmp_path))
+    c_tiles.library.cache_clear()
+    try:
+        assert not c_tiles.wide_vectors()
+        for dim in (8, 32, 64, 128):
+            assert_c_tiles_match_dense(dim, torch.float32)
+        assert_c_tiles_match_dense(32, torch.float64)
+    finally:
+        c_tiles.library.cache_clear()  # the next test loads the native build again
+
+
+def assert_c_tiles_match_dense(dim, dtype):
+    """The C kernel's output and gradients (q, k, v, θα, θβ, s) against the float64 dense reference, at
+    head width `dim`: 150 rows (two full 64-row blocks and a partial one), causal, then a window wider
+    than a block with documents."""
     g = torch.Generator().manual_seed(dim)
     n, heads = 150, 2
     q, k, v = (torch.randn(1, heads, n, dim, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))

@@ -124,6 +124,7 @@ def _call(backend="auto", prior=False, **options):
 
 
 def test_auto_on_cpu_runs_the_c_kernel_else_torchs_fused_attention(attention_ops, caplog, monkeypatch):
+    monkeypatch.setattr(dispatch, "c_tiles_wide", lambda: True)  # built for AVX-512, as on CI's machine type
     docs = torch.tensor([[0] * 20 + [1] * 17] * 2)
     calls = [dict(), dict(window=8), dict(window=8, doc_ids=docs), dict(prior=True), dict(doc_ids=docs)]
     with caplog.at_level(logging.INFO, logger=dispatch.__name__):
@@ -141,6 +142,22 @@ def test_auto_on_cpu_runs_the_c_kernel_else_torchs_fused_attention(attention_ops
     for got in (c_kernel, fallback):
         for a, b in zip(got, references):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_leaves_prior_free_calls_to_torch_where_the_c_kernel_is_narrow(attention_ops, monkeypatch):
+    """Built for vectors under 512 bits (an AVX2 machine), the C kernel is not measured against torch's
+    fused attention: the calls torch can compute go there, the others still to the kernel."""
+    monkeypatch.setattr(dispatch, "c_tiles_wide", lambda: False)
+    _call()
+    _call(window=8)
+    _call(prior=True)
+    assert attention_ops == ["sdpa", "sdpa", "c_tiles"]
+
+
+def test_the_c_kernel_is_wide_where_the_cpu_has_avx512():
+    """bam_tiles.c picks its vector width from what -march=native enables: 512 bits with AVX-512."""
+    flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "").split()
+    assert attention_c_tiles.wide_vectors() == ("avx512f" in flags)
 
 
 def test_auto_keeps_v_wider_than_q_off_the_c_kernel(attention_ops):
