@@ -7,9 +7,10 @@ and each row's logsumexp (O(B·H·N·D)); the backward recomputes each tile (Fla
 scheme) and returns dq, dk, dv and the prior gradient's sums along anti-diagonals, from which
 prior_grads makes dθ. The earlier form of this op left the products to torch and fused only each
 tile's elementwise passes; written tiles of block × N values went through memory, and the op ran at
-1.3-1.5x torch's causal attention; this one runs at ~0.75x of it, without a prior too, so that
-kernels/dispatch.py runs it for every CPU call (docs/benchmarks.md, issue 16). Same arguments, masks,
-compute dtype and result as bam_attention (v's head width must be q's); its tests compare the two.
+1.3-1.5x torch's causal attention's time; this one at 0.72-0.91x of it (AVX-512, with a prior or
+without), so that kernels/dispatch.py runs it for every CPU call there (docs/benchmarks.md, issue
+16). Same arguments, masks, compute dtype and result as bam_attention (v's head width must be q's);
+its tests compare the two.
 
 The C source is compiled at first use (kernels/cpu_build.py). Without a compiler `library()` is None and
 kernels/dispatch.py keeps torch's fused attention or the reference.
@@ -110,12 +111,15 @@ def row_strides(t: Tensor | None, dims: int = 1) -> tuple[int, ...]:
     return (0 if t.shape[0] == 1 else t.stride(0), *t.stride()[1:-1])
 
 
-def table_arguments(tb: CallTables, lo: Tensor) -> list:
-    """The arguments of the C kernels after their tensors: the prior's table and row scale, the masks."""
-    return [
-        *(ptr(tb.table), 0 if tb.table is None else tb.table.stride(0), ptr(tb.pscale), *row_strides(tb.pscale, 2)),
-        *(ptr(lo), row_strides(lo)[0], ptr(tb.kstart), row_strides(tb.kstart)[0]),
-    ]
+def prior_arguments(tb: CallTables) -> list:
+    """The C kernels' arguments for the prior: its table and head stride, its row scale and strides."""
+    stride = 0 if tb.table is None else tb.table.stride(0)
+    return [ptr(tb.table), stride, ptr(tb.pscale), *row_strides(tb.pscale, 2)]
+
+
+def mask_arguments(tb: CallTables, lo: Tensor) -> list:
+    """The C kernels' arguments for the masks: each row's first key, each query block's."""
+    return [ptr(lo), row_strides(lo)[0], ptr(tb.kstart), row_strides(tb.kstart)[0]]
 
 
 class _BAMAttentionCPU(torch.autograd.Function):
@@ -130,7 +134,7 @@ class _BAMAttentionCPU(torch.autograd.Function):
         out = torch.empty(B, H, N, D, dtype=dtype)
         lse = torch.empty(B, H, N, dtype=dtype)
         tensors = (tb.qf, kc, vc, out, lse)
-        forward(*(t.data_ptr() for t in tensors), *table_arguments(tb, lo), B, H, N, D)
+        forward(*(t.data_ptr() for t in tensors), *prior_arguments(tb), *mask_arguments(tb, lo), B, H, N, D)
         ctx.save_for_backward(q, kc, vc, out, lo, lse, alpha, beta, mu, s)
         ctx.cfg = (ssmax_before_prior, scale, k.dtype, v.dtype)
         return out.to(q.dtype)
@@ -153,9 +157,9 @@ class _BAMAttentionCPU(torch.autograd.Function):
         tensors = (tb.qf, kc, vc, do, lse, delta, dqf, dk, dv)
         backward(
             *(t.data_ptr() for t in tensors),
-            *table_arguments(tb, lo)[:5],
+            *prior_arguments(tb),
             *(ptr(tb.weight), row_strides(tb.weight)[0], ptr(sums), 0 if sums is None else sums.shape[2]),
-            *table_arguments(tb, lo)[5:],
+            *mask_arguments(tb, lo),
             *(B, H, N, D),
         )
         dq = dqf * tb.f

@@ -82,40 +82,24 @@ const int64_t vector_bytes = VBYTES; /* read by kernels/dispatch.py */
     /* keys (or columns) per pass of the row-vector products: NACC sums, at least one row vector */      \
     enum { U_##SUF = NACC / NV_##SUF > 0 ? NACC / NV_##SUF : 1 };                                        \
                                                                                                          \
-    /* st[c] = sum_d k[kb + c][d] * qt[d] for keys c0 .. c0 + U - 1: U row vectors of a key-major tile */ \
-    static inline __attribute__((always_inline)) void key_rows_##SUF(T *st, const T *qt, const T *k,    \
-                                                                   int64_t KD, int64_t D, int64_t c0,  \
-                                                                   int U) {                             \
+    /* out[u] = (add ? out[u] : 0) + sum_{i < count} x[i * xi + u * xu] * rows[i], for u < U: U row \
+     * vectors (ROWS apart) as sums of row vectors times scalars. The logits: keys c0.. against the   \
+     * transposed queries (rows qt[d], x = k); a tile times values: output columns d0.. (rows pt[c], x = v). */ \
+    static inline __attribute__((always_inline)) void row_products_##SUF(T *out, int add, const T *rows,  \
+                                                                      int64_t count, const T *x,        \
+                                                                      int64_t xi, int64_t xu, int U) {  \
         V_##SUF s[4][NV_##SUF];                                                                          \
         for (int u = 0; u < U; u++)                                                                      \
-            for (int w = 0; w < NV_##SUF; w++) s[u][w] = (V_##SUF){0};                                   \
-        for (int64_t d = 0; d < KD; d++) {                                                               \
-            const V_##SUF *qv = (const V_##SUF *)(qt + d * ROWS);                                        \
+            for (int w = 0; w < NV_##SUF; w++) s[u][w] = add ? ((V_##SUF *)(out + u * ROWS))[w] : (V_##SUF){0}; \
+        for (int64_t i = 0; i < count; i++) {                                                            \
+            const V_##SUF *rv = (const V_##SUF *)(rows + i * ROWS);                                      \
             for (int u = 0; u < U; u++) {                                                                \
-                const T x = k[(c0 + u) * D + d];                                                         \
-                for (int w = 0; w < NV_##SUF; w++) s[u][w] += x * qv[w];                                 \
+                const T c = x[i * xi + u * xu];                                                          \
+                for (int w = 0; w < NV_##SUF; w++) s[u][w] += c * rv[w];                                 \
             }                                                                                            \
         }                                                                                                \
         for (int u = 0; u < U; u++)                                                                      \
-            for (int w = 0; w < NV_##SUF; w++) ((V_##SUF *)(st + (c0 + u) * ROWS))[w] = s[u][w];         \
-    }                                                                                                    \
-                                                                                                         \
-    /* ot[d] += sum_c v[c][d] * pt[c] for columns d0 .. d0 + U - 1 over keys c < n */                   \
-    static inline __attribute__((always_inline)) void column_rows_##SUF(T *ot, const T *pt, const T *v, \
-                                                                      int64_t D, int64_t n, int64_t d0, \
-                                                                      int U) {                          \
-        V_##SUF o[4][NV_##SUF];                                                                          \
-        for (int u = 0; u < U; u++)                                                                      \
-            for (int w = 0; w < NV_##SUF; w++) o[u][w] = ((V_##SUF *)(ot + (d0 + u) * ROWS))[w];         \
-        for (int64_t c = 0; c < n; c++) {                                                                \
-            const V_##SUF *p = (const V_##SUF *)(pt + c * ROWS);                                         \
-            for (int u = 0; u < U; u++) {                                                                \
-                const T x = v[c * D + d0 + u];                                                           \
-                for (int w = 0; w < NV_##SUF; w++) o[u][w] += x * p[w];                                  \
-            }                                                                                            \
-        }                                                                                                \
-        for (int u = 0; u < U; u++)                                                                      \
-            for (int w = 0; w < NV_##SUF; w++) ((V_##SUF *)(ot + (d0 + u) * ROWS))[w] = o[u][w];         \
+            for (int w = 0; w < NV_##SUF; w++) ((V_##SUF *)(out + u * ROWS))[w] = s[u][w];               \
     }                                                                                                    \
                                                                                                          \
     /* acc[c][:] += sum_{r < R} t[c][r] * x[r][:] for keys c0 .. c0 + U - 1, along the head dimension  \
@@ -147,8 +131,8 @@ const int64_t vector_bytes = VBYTES; /* read by kernels/dispatch.py */
                                     int64_t kb, int64_t n, int mask) {                                 \
         enum { U = U_##SUF };                                                                          \
         int64_t c = 0;                                                                                 \
-        for (; c + U <= n; c += U) key_rows_##SUF(st, qt, k + kb * D, KD, D, c, U);                    \
-        for (; c < n; c++) key_rows_##SUF(st, qt, k + kb * D, KD, D, c, 1);                            \
+        for (; c + U <= n; c += U) row_products_##SUF(st + c * ROWS, 0, qt, KD, k + (kb + c) * D, 1, D, U); \
+        for (; c < n; c++) row_products_##SUF(st + c * ROWS, 0, qt, KD, k + (kb + c) * D, 1, D, 1);      \
         /* masks: only where the tile crosses a row's diagonal or first key, or has padding rows */    \
         const int masked = mask && (kb + n - 1 > qs || kb < lor[R - 1] || R < ROWS);                   \
         for (c = 0; c < n; c++) {                                                                      \
@@ -169,9 +153,9 @@ const int64_t vector_bytes = VBYTES; /* read by kernels/dispatch.py */
                                              int64_t n) {                                              \
         enum { U = U_##SUF };                                                                          \
         int64_t d = 0;                                                                                 \
-        for (; d + U <= KD; d += U) column_rows_##SUF(ot, pt, v + kb * D, D, n, d, U);                 \
+        for (; d + U <= KD; d += U) row_products_##SUF(ot + d * ROWS, 1, pt, n, v + kb * D + d, D, 1, U); \
         if (KD % U) /* a width that is no multiple of U (none of the constant ones) */                \
-            for (; d < KD; d++) column_rows_##SUF(ot, pt, v + kb * D, D, n, d, 1);                         \
+            for (; d < KD; d++) row_products_##SUF(ot + d * ROWS, 1, pt, n, v + kb * D + d, D, 1, 1);      \
     }                                                                                                  \
                                                                                                        \
     /* acc[kb + c][:] += sum_{r < R} t[c][r] * x[r][:]: a tile's sums over its rows (dK, dV). */       \
