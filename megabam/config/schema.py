@@ -106,8 +106,9 @@ class AttentionConfig:
     rope_theta: float = doc(10000.0, "RoPE base (positional=rope).")
     block_size: int = doc(
         128,
-        "Query rows per tile of the tiled attention op; its memory grows as block_size·N. torch's fused "
-        "op, whose memory does not, takes at least 256 rows per call.",
+        "Query rows per tile of the tiled reference attention op (model.kernels=reference); its memory "
+        "grows as block_size·N. The C kernel on CPU and the Triton kernel use their own tiles; torch's "
+        "fused op, the CPU fallback, takes at least 256 rows per call.",
     )
     kv_heads: int | None = doc(
         None,
