@@ -558,6 +558,11 @@ class LoggingConfig:
     peak_tflops: float | None = doc(
         None, "Peak TFLOP/s of one device for the MFU estimate; null = known GPUs only, no MFU elsewhere."
     )
+    plots: bool = doc(
+        True,
+        "Draw loss.png and passkey.png at the end of training (rank 0, matplotlib: ~0.4 s); the scores "
+        "are logged either way.",
+    )
     track_memory: bool = doc(
         False,
         "CPU: measure the peak of allocated tensors during step 2 (torch's MemTracker; slows that step) and log it "

@@ -65,7 +65,7 @@ class Summary:
     params: int
     skipped_steps: int
     checkpoint: str
-    loss_plot: str
+    loss_plot: str | None  # None with logging.plots off
     passkey: dict[int, float]  # prompt length → share of keys retrieved
     passkey_plot: str | None  # the heatmap of retrieval by length and needle depth
 
@@ -79,7 +79,7 @@ class Summary:
             f"val loss        {self.val_loss:.4f}   (perplexity {math.exp(min(self.val_loss, 50)):.2f})",
             *(f"passkey @ {n:<6}  {acc:.0%} retrieved" for n, acc in self.passkey.items()),
             f"checkpoint      {self.checkpoint}",
-            f"loss plot       {self.loss_plot}",
+            *([f"loss plot       {self.loss_plot}"] if self.loss_plot else []),
             *([f"passkey plot    {self.passkey_plot}"] if self.passkey_plot else []),
         ]
 
@@ -414,7 +414,7 @@ class Trainer:
         scores = {}
         for n, row in zip(grid.lengths, grid.key_tokens):
             scores[f"passkey_{n}"], scores[f"passkey_{n}_key_tokens"] = grid.by_length()[n], sum(row) / len(row)
-        if self.rank != 0:
+        if self.rank != 0 or not cfg.logging.plots:
             return scores, None
         title = f"passkey retrieval, {self.run_dir.name} @ step {cfg.train.steps} (trained at {cfg.data.seq_len})"
         return scores, heatmap(grid.accuracy(), grid.lengths, FINAL_DEPTHS, title, self.run_dir / "passkey.png")
@@ -473,8 +473,9 @@ class Trainer:
             self.logger.log(cfg.train.steps, scores)
         passkey = {n: scores[f"passkey_{n}"] for n in self.passkey_lengths if f"passkey_{n}" in scores}
         dist.barrier()
-        if self.rank == 0:
-            plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+        loss_plot = self.run_dir / "loss.png" if cfg.logging.plots else None
+        if self.rank == 0 and loss_plot:
+            plot_loss(self.run_dir / "metrics.jsonl", loss_plot)
         steps_run = cfg.train.steps - start_step
         return Summary(
             run_dir=str(self.run_dir),
@@ -487,7 +488,7 @@ class Trainer:
             params=self.engine.params,
             skipped_steps=p.skipped_steps,
             checkpoint=str(checkpoint.checkpoint_root(self.run_dir) / checkpoint.tag_for(cfg.train.steps)),
-            loss_plot=str(self.run_dir / "loss.png"),
+            loss_plot=str(loss_plot) if loss_plot else None,
             passkey=passkey,
             passkey_plot=str(passkey_plot) if passkey_plot else None,
         )

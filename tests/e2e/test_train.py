@@ -25,6 +25,7 @@ def test_main_job_end_to_end(tmp_path, data_cache):
         "checkpoint.every=15",
         "train.eval_every=15",
         "logging.wandb_mode=offline",
+        "logging.plots=true",
     )
     run_dir = tmp_path / "e2e"
     assert "== megabam summary ==" in result.stdout and "passkey @ 128" in result.stdout
@@ -62,10 +63,12 @@ def test_existing_run_is_never_overwritten(tmp_path, data_cache):
     assert result.returncode == 2
     assert "holds files but no checkpoint" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
-    # --fresh starts beside it
-    megabam_train(tmp_path, data_cache, "run.name=taken", "train.steps=3", "eval.passkey_samples=0", "--fresh")
+    # --fresh starts beside it (logging.plots off, as in every run of these tests but the main job's:
+    # no PNG, no plot line in the summary)
+    fresh = megabam_train(tmp_path, data_cache, "run.name=taken", "train.steps=3", "eval.passkey_samples=0", "--fresh")
     assert (tmp_path / "taken-2" / "checkpoints" / "latest").is_file()
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
+    assert not list((tmp_path / "taken-2").glob("*.png")) and "plot " not in fresh.stdout
 
 
 def test_bad_config_fails_before_work(tmp_path, data_cache):

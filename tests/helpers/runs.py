@@ -33,6 +33,7 @@ SMALL = [
     "eval.passkey_samples=2",
     "eval.passkey_lengths=[]",
     "logging.wandb_mode=disabled",
+    "logging.plots=false",  # matplotlib's ~0.4 s per run; the main job's test draws them
 ]
 
 
