@@ -33,9 +33,16 @@ def mapped_by_others() -> set[str]:
 
 
 def remove_stale(pattern: str, only: set[str] | None = None) -> None:
-    """Unlink the files matching `pattern` (among `only`, when given) that no other process maps."""
+    """Unlink the files matching `pattern` (among `only`, when given) that no other process maps.
+
+    The files are listed before the processes' maps are read: a segment created after the list is
+    never a candidate, and one listed is mapped by its creator before the scan reaches it (streaming
+    maps a segment in the call that creates it). Listed after the scan, a segment a leader created
+    during the scan counted as stale and went, and its job's other rank failed to attach (seen once
+    in 885 tests: FileNotFoundError '/000075_epoch_data')."""
+    candidates = set(glob.glob(pattern))
     live = mapped_by_others()
-    for path in set(glob.glob(pattern)) - live:
+    for path in candidates - live:
         if only is None or path in only:
             try:
                 os.remove(path)

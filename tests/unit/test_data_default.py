@@ -278,6 +278,27 @@ def test_streaming_imports_without_its_tokenizer_and_vision_parts():
     assert out.stdout.strip() == "[]"
 
 
+def test_shared_memory_cleanup_spares_a_segment_created_during_its_scan(monkeypatch):
+    """A segment another test's job creates while the cleanup reads the processes' maps (a streaming
+    leader sharing an epoch, its other rank about to attach) is not the cleanup's to remove."""
+    import helpers.shm as shm
+
+    new = f"/dev/shm/megabam_test_{os.getpid()}_new"
+    real = shm.mapped_by_others
+
+    def scan_while_a_job_creates_one():
+        with open(new, "wb") as f:
+            f.write(b"\0" * 64)
+        return real()
+
+    monkeypatch.setattr(shm, "mapped_by_others", scan_while_a_job_creates_one)
+    try:
+        shm.remove_stale(f"/dev/shm/megabam_test_{os.getpid()}_*")
+        assert os.path.exists(new)
+    finally:
+        os.remove(new)
+
+
 def test_shared_memory_cleanup_spares_what_another_live_process_maps():
     """tests/helpers/shm.py: two test workers clean /dev/shm without breaking each other."""
     from helpers.shm import remove_stale
