@@ -5,6 +5,7 @@ greedy generation and tokenizer equal megabam's own, for every positional scheme
 untied head, SWA + mLSTM and SWA + Gated DeltaNet; a SWA + mLSTM model's generation cache does not
 grow with the context."""
 
+import fcntl
 import json
 import os
 import subprocess
@@ -46,17 +47,22 @@ HELPER = REPO / "tests" / "helpers" / "hf_load.py"
 def side_python() -> Path:
     """A venv with only CPU torch and transformers 5 (built once, kept in the user's cache). Installed by
     this environment's pip without compiling every module first (the side interpreter compiles what it
-    imports): 41 -> 18 s on a fresh CI machine, where this runs inside the suite's time."""
+    imports): 41 -> 18 s on a fresh CI machine, where this runs inside the suite's time. Built under a
+    lock: a second copy of the suite on the machine waits for the first's build instead of clearing
+    the folder under it."""
     cache = (
         Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megabam" / f"transformers-{TRANSFORMERS_5}"
     )
     python = cache / "bin" / "python"
-    if not (cache / "complete").is_file():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(cache)], check=True)
-        pins = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={TRANSFORMERS_5}"]
-        pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile"]
-        subprocess.run([*pip, *pins], check=True, timeout=1200)
-        (cache / "complete").write_text("")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.parent / f".{cache.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cache / "complete").is_file():
+            subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(cache)], check=True)
+            pins = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={TRANSFORMERS_5}"]
+            pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile"]
+            subprocess.run([*pip, *pins], check=True, timeout=1200)
+            (cache / "complete").write_text("")
     return python
 
 

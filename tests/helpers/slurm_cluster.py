@@ -1,14 +1,24 @@
 """A real single-node Slurm (Debian's slurm-wlm and munge) for the launcher tests, run as root
 without systemd; everything it writes lives under one folder. ../shared/docs/platform-notes.md
-records what made it run here."""
+records what made it run here.
 
+Another copy of the suite may run its own cluster on the same machine at the same time, so nothing
+is shared with it: the daemons listen on free ports (Slurm's defaults, 6817/6818, would let the second
+cluster's clients reach the first), job ids start at a random number (megabam derives a job's
+rendezvous port from its id: two clusters both counting from 1 would give their jobs the same port),
+and stopping kills this cluster's step daemons only."""
+
+import glob
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+
+from megabam.parallel.ranks import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
 
@@ -58,6 +68,9 @@ class SlurmCluster:
                 [
                     "ClusterName=megabamtest",
                     f"SlurmctldHost={host}(127.0.0.1)",
+                    f"SlurmctldPort={free_port()}",
+                    f"SlurmdPort={free_port()}",
+                    f"FirstJobId={random.randrange(1000, 1_000_000)}",
                     "SlurmUser=root",
                     "SlurmdUser=root",
                     f"AuthInfo=socket={self.socket},cred_expire=5",
@@ -109,5 +122,23 @@ class SlurmCluster:
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except (OSError, ValueError):
                 pass
-        # slurmstepd survives a controller shutdown; on a test machine every one is this cluster's
-        subprocess.run(["pkill", "-KILL", "-x", "slurmstepd"], capture_output=True)
+        # slurmstepd survives a controller shutdown; this cluster's inherit its slurmd's SLURM_CONF
+        for pid in self._step_daemons():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def _step_daemons(self) -> list[int]:
+        mine = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for comm in glob.glob("/proc/[0-9]*/comm"):
+            try:
+                if open(comm).read().strip() != "slurmstepd":
+                    continue
+                pid = int(comm.split("/")[2])
+                if mine in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+                    found.append(pid)
+            except OSError:  # ended while we looked
+                continue
+        return found

@@ -307,6 +307,7 @@ def test_shared_memory_cleanup_spares_what_another_live_process_maps():
     for path in (held, stale):
         with open(path, "wb") as f:
             f.write(b"\0" * 4096)
+        os.utime(path, (time.time() - 60, time.time() - 60))  # old enough to be anyone's leftover
     code = (
         f"import mmap, sys; f = open({held!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0); "
         "print('mapped', flush=True); sys.stdin.read()"
@@ -321,12 +322,37 @@ def test_shared_memory_cleanup_spares_what_another_live_process_maps():
         os.remove(held)
 
 
+def test_shared_memory_cleanup_spares_a_young_segment_nobody_maps_yet():
+    """A segment listed between its creation and its creator's mmap (shm_open, ftruncate, mmap: a job
+    of the other test worker, or of a second copy of the suite, at any moment) is not stale; one as
+    old, unmapped, left by a finished process is."""
+    from helpers.shm import MIN_AGE_S, remove_stale
+
+    young, old = (f"/dev/shm/megabam_test_{os.getpid()}_{name}" for name in ("young", "old"))
+    for path in (young, old):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 64)
+    os.utime(old, (time.time() - 2 * MIN_AGE_S, time.time() - 2 * MIN_AGE_S))
+    try:
+        remove_stale(f"/dev/shm/megabam_test_{os.getpid()}_*")
+        assert os.path.exists(young) and not os.path.exists(old)
+    finally:
+        for path in (young, old):
+            if os.path.exists(path):
+                os.remove(path)
+
+
 def test_a_dataset_takes_the_next_prefix_when_another_job_registers_between_its_scan_and_claim(
     tmp_path, clean_shm, monkeypatch
 ):
     """Streaming's prefix race between jobs starting together on a node (megabam/data/shm_prefix.py):
     another job creates the first free prefix's `locals` segment just after this job's scan found it
-    free. Streaming's own registration then fails; megabam's takes the next prefix and reads."""
+    free. Streaming's own registration then fails; megabam's takes a free prefix and reads.
+
+    Other jobs on the machine (the suite's other worker, a second copy of the suite) register
+    prefixes of their own at any moment, so the test asserts what megabam promises, not which number
+    it gets: a prefix that is not the competitor's, whose `locals` segment this dataset created and
+    describes this dataset, and every sample read."""
     import_streaming()
     from streaming.base.shared import SharedMemory
     from streaming.base.shared import prefix as streaming_prefix
@@ -337,8 +363,13 @@ def test_a_dataset_takes_the_next_prefix_when_another_job_registers_between_its_
 
     def scan_then_another_job_registers(local, remote, shm_name, retry):
         found = scan(local, remote, shm_name, retry)
-        if shm_name == "locals":
-            others.append((found, SharedMemory(streaming_prefix._get_path(found, "locals"), True, 16)))
+        if shm_name == "locals":  # the competitor takes the first prefix from `found` nobody holds
+            for prefix in range(found, found + 1000):
+                try:
+                    others.append((prefix, SharedMemory(streaming_prefix._get_path(prefix, "locals"), True, 16)))
+                    break
+                except FileExistsError:  # a third job's (another test, another suite) since the scan
+                    continue
         return found
 
     monkeypatch.setattr(streaming_prefix, "_check_and_find_retrying", scan_then_another_job_registers)
@@ -346,8 +377,11 @@ def test_a_dataset_takes_the_next_prefix_when_another_job_registers_between_its_
         with pytest.raises(FileExistsError):
             streaming_prefix.get_shm_prefix([str(tmp_path / "mds")], [None], World(1, 1, 1, 0))
         loader = build_loader(tmp_path / "mds", micro_batch_size=4, shuffle=False, seed=0)
-        assert loader.dataset._shm_prefix_int == others[-1][0] + 1
-        assert len(list(loader)) == 2
+        mine = loader.dataset._shm_prefix_int
+        assert mine not in {prefix for prefix, _ in others}
+        registered = SharedMemory(streaming_prefix._get_path(mine, "locals"), False)
+        assert streaming_prefix._unpack_locals(bytes(registered.buf)) == ([str(tmp_path / "mds")], mine)
+        assert [len(batch["input_ids"]) for batch in loader] == [4, 4]
     finally:
         for _, shm in others:
             shm.cleanup()
