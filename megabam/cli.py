@@ -131,7 +131,7 @@ def _train(args) -> int:
     from megabam.data.errors import DataError
     from megabam.train.checkpoint import CheckpointError
     from megabam.train.run_lock import RunDirError
-    from megabam.train.trainer import TooManyBadSteps, train
+    from megabam.train.trainer import AlreadyComplete, TooManyBadSteps, train
 
     start_collecting()
     try:
@@ -142,6 +142,15 @@ def _train(args) -> int:
     except TooManyBadSteps as e:
         print(f"megabam: error: {e}", file=sys.stderr)
         return exit_codes.BAD_STEPS
+    except AlreadyComplete as e:  # nothing run, nothing written: the stored summary again
+        summary = e.summary
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"megabam: {summary.run_dir} is already complete at step {summary.steps} (train.steps); nothing "
+                "to do (raise train.steps to train on, or set run.name / --fresh for a new run)"
+            )
+            print("\n".join(["", "== megabam summary (stored) =="] + summary.lines()))
+        return exit_codes.OK
     except Preempted as e:
         print(
             f"megabam: preempted after step {e.args[0]}; checkpoint saved, exit {exit_codes.PREEMPTED} (requeue)",

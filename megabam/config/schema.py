@@ -496,7 +496,11 @@ class TrainConfig:
     grad_accum: int = doc(1, "Micro-batches accumulated per optimizer step.")
     precision: Literal["fp32", "bf16"] = doc("fp32", "Training precision (bf16 keeps fp32 master weights).")
     eval_every: int = doc(0, "Validation every this many steps (0 = only at the end).")
-    eval_batches: int = doc(8, "Validation micro-batches per evaluation.")
+    eval_batches: int = doc(
+        8,
+        "Validation micro-batches per evaluation; 0 = no validation (the run reads no validation split). A "
+        "validation split smaller than one micro-batch per data-parallel rank is refused at start.",
+    )
     max_bad_steps: int = doc(
         5,
         "Stop after this many consecutive steps whose loss or gradient norm is not finite (each is skipped); "
@@ -518,7 +522,7 @@ class TrainConfig:
             ],
         )
         require(self.eval_every >= 0, f"{key}.eval_every", f"must be non-negative, got {self.eval_every}")
-        require(self.eval_batches >= 1, f"{key}.eval_batches", f"must be at least 1, got {self.eval_batches}")
+        require(self.eval_batches >= 0, f"{key}.eval_batches", f"must be non-negative, got {self.eval_batches}")
         require(self.max_bad_steps >= 0, f"{key}.max_bad_steps", f"must be non-negative, got {self.max_bad_steps}")
 
 

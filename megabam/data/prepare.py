@@ -30,6 +30,10 @@ SPLITS = ("train", "val")
 # Documents per task sent to a tokenizer worker: large enough to amortise pickling, small enough
 # that the progress bar moves and memory stays flat.
 _CHUNK_DOCS = 256
+# Fewer validation samples than this draws a warning: one evaluation of the trainer's defaults
+# (train.eval_batches 8 × train.micro_batch_size 8) on one data-parallel rank. Training refuses a
+# split smaller than one micro-batch per rank, rather than logging a val loss of NaN.
+MIN_VAL_SAMPLES = 64
 
 
 @dataclass
@@ -48,6 +52,11 @@ class PrepareSummary(SourceStats):
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def lines(self) -> list[str]:
+        val = self.samples["val"]
+        warn = [
+            f"warning: the validation split has {val} samples, under {MIN_VAL_SAMPLES} (the trainer's default "
+            "evaluation on one rank); raise --val-fraction, or train with train.eval_batches sized to it"
+        ]
         return [
             f"files            {self.files:,}",
             f"documents        {self.documents:,} (empty skipped {self.empty_skipped:,}, "
@@ -56,6 +65,7 @@ class PrepareSummary(SourceStats):
             f"samples          train {self.samples['train']:,}, val {self.samples['val']:,}",
             f"shards           train {self.shards['train']:,}, val {self.shards['val']:,}",
             f"time             {self.seconds:.1f} s ({self.tokens_per_s:,.0f} tokens/s)",
+            *(warn if 0 < val < MIN_VAL_SAMPLES else []),
         ]
 
 

@@ -31,14 +31,20 @@ def single_dataset(train_dir: Path, val_dir: Path, tokenizer_path: Path) -> Trai
 
 
 def prepared_mixture(
-    streams, tokenizer_path: str | Path, vocab_size: int, seq_len: int, verify_hashes: bool = False
+    streams,
+    tokenizer_path: str | Path,
+    vocab_size: int,
+    seq_len: int,
+    verify_hashes: bool = False,
+    validation: bool = True,
 ) -> TrainingData:
     """Training data from prepared datasets (objects with ``path``, ``remote``, ``weight``, ``repeat``).
 
     Refuses (DataError) a tokenizer whose size is not ``vocab_size``, a local dataset written for
     another sequence length or vocabulary (its ``meta.json``) or with a missing or truncated shard (or,
     with ``verify_hashes``, a local shard whose sha1 differs from its index). Validation reads every stream's
-    ``val`` split once, unweighted, leaving out local ones that hold no sample.
+    ``val`` split once, unweighted, leaving out local ones that hold no sample; with ``validation``
+    off (train.eval_batches=0) a mixture without any validation sample is accepted.
     """
     load_tokenizer(tokenizer_path, vocab_size)
     train, val = [], []
@@ -65,8 +71,11 @@ def prepared_mixture(
         if meta is None or meta["summary"]["samples"]["val"] > 0:
             val.append(StreamSpec(s.path, s.remote, "val"))
     check_streams(train)
-    if not val:
-        raise DataError("no stream has validation samples (prepare with --val-fraction > 0, or synth with --val)")
+    if not val and validation:
+        raise DataError(
+            "no stream has validation samples (prepare with --val-fraction > 0, or synth with --val; "
+            "train.eval_batches=0 trains without validation)"
+        )
     return TrainingData(train, val, Path(tokenizer_path))
 
 
@@ -82,6 +91,7 @@ def build_training_data(cfg: Config, rank: int) -> TrainingData:
                 cfg.model.vocab_size,
                 cfg.data.seq_len,
                 verify_hashes=cfg.data.verify_hashes,
+                validation=cfg.train.eval_batches > 0,
             )
         except DataError as e:
             raise ConfigError("<config>", "data", str(e)) from None

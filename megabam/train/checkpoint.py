@@ -133,7 +133,7 @@ def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int) -> Path:
     failure = None
     try:
         engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
-        _write_json(tmp / f"rng_rank{rank:05d}.json", rng.capture())
+        write_json(tmp / f"rng_rank{rank:05d}.json", rng.capture())
         if rank == 0:
             _write_text_atomic(tmp / META_FILE, meta.to_json())
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
@@ -148,7 +148,7 @@ def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int) -> Path:
     if rank == 0:
         try:
             manifest = {name: d for part in gathered for name, d in part.items()}
-            _write_json(tmp / MANIFEST_FILE, {"files": manifest})
+            write_json(tmp / MANIFEST_FILE, {"files": manifest})
             _fsync_dir(tmp)
             os.rename(tmp, root / tag)
             _write_text_atomic(root / "latest", tag)
@@ -277,7 +277,8 @@ def _digest(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "xxh3_128": h.hexdigest()}
 
 
-def _write_json(path: Path, data) -> None:
+def write_json(path: Path, data) -> None:
+    """``data`` as JSON at ``path``, whole or not at all (temporary file, fsync, rename)."""
     _write_text_atomic(path, json.dumps(data, indent=1))
 
 

@@ -53,6 +53,9 @@ class TooManyBadSteps(RuntimeError):
     """train.max_bad_steps consecutive steps had a non-finite loss or gradient norm."""
 
 
+SUMMARY_FILE = "summary.json"  # the finished run's Summary, written after its last checkpoint
+
+
 @dataclass
 class Summary:
     run_dir: str
@@ -61,7 +64,7 @@ class Summary:
     wall_s: float
     tokens_per_s: float
     final_loss: float
-    val_loss: float
+    val_loss: float | None  # None: validation off (train.eval_batches=0)
     params: int
     skipped_steps: int
     checkpoint: str
@@ -76,12 +79,42 @@ class Summary:
             f"steps           {self.steps}   tokens {self.tokens:,}   skipped (non-finite) {self.skipped_steps}",
             f"wall time       {self.wall_s:.1f} s   ({self.tokens_per_s:,.0f} tokens/s)",
             f"train loss      {self.final_loss:.4f} (mean of the last logged steps)",
-            f"val loss        {self.val_loss:.4f}   (perplexity {math.exp(min(self.val_loss, 50)):.2f})",
+            f"val loss        {self.val_loss:.4f}   (perplexity {math.exp(min(self.val_loss, 50)):.2f})"
+            if self.val_loss is not None
+            else "val loss        off (train.eval_batches=0)",
             *(f"passkey @ {n:<6}  {acc:.0%} retrieved" for n, acc in self.passkey.items()),
             f"checkpoint      {self.checkpoint}",
             *([f"loss plot       {self.loss_plot}"] if self.loss_plot else []),
             *([f"passkey plot    {self.passkey_plot}"] if self.passkey_plot else []),
         ]
+
+    @classmethod
+    def read(cls, path: Path) -> "Summary":
+        raw = json.loads(path.read_text())
+        raw["passkey"] = {int(n): acc for n, acc in raw["passkey"].items()}  # JSON keys are strings
+        return cls(**raw)
+
+
+class AlreadyComplete(Exception):
+    """The run directory holds a run that reached train.steps; `summary` is what it reported."""
+
+    def __init__(self, summary: Summary):
+        super().__init__(summary.steps)
+        self.summary = summary
+
+
+def completed_summary(run_dir: Path, steps: int) -> Summary | None:
+    """The stored summary of a run in `run_dir` that finished at `steps` (its newest checkpoint at that
+    step and its summary written after it), else None."""
+    path = run_dir / SUMMARY_FILE
+    tags = checkpoint.list_tags(run_dir)
+    if not path.is_file() or not tags or tags[0] != checkpoint.tag_for(steps):
+        return None
+    try:
+        summary = Summary.read(path)
+    except (ValueError, TypeError, KeyError, AttributeError):  # unreadable: finish the run again
+        return None
+    return summary if summary.steps == steps else None
 
 
 @dataclass
@@ -95,7 +128,7 @@ class Progress:
     last_saved: int | None = None  # step of the newest checkpoint of this run
     recent_losses: list[float] = field(default_factory=list)  # the last 10 finite losses (summary)
     interval_losses: list[float] = field(default_factory=list)  # finite losses since the last metrics row
-    val_loss: float = math.nan
+    val_loss: float | None = None  # None until a validation ran (never with train.eval_batches=0)
 
 
 @dataclass
@@ -198,7 +231,6 @@ class Trainer:
             replication=self.topology.layout.replication,
         )
         self.train_loader = build_loader(data.train, shuffle=True, num_workers=cfg.data.num_workers, **loader)
-        self.val_loader = build_loader(data.val, shuffle=False, num_workers=0, **loader)
         if len(self.train_loader) == 0:  # streaming would yield nothing, and the loop wait for ever
             raise ConfigError(
                 "<data>",
@@ -206,6 +238,18 @@ class Trainer:
                 f"{cfg.train.micro_batch_size} is more than the "
                 f"{len(self.train_loader.dataset)} training samples each data-parallel rank reads per epoch",
             )
+        self.val_loader = None
+        if cfg.train.eval_batches:
+            self.val_loader = build_loader(data.val, shuffle=False, num_workers=0, **loader)
+            if len(self.val_loader) == 0:  # streaming would yield no batch: a val loss of NaN at every evaluation
+                raise ConfigError(
+                    "<data>",
+                    "train.eval_batches",
+                    f"the validation data holds {len(self.val_loader.dataset)} samples per data-parallel rank, "
+                    f"fewer than one micro-batch of {cfg.train.micro_batch_size} (train.micro_batch_size): prepare "
+                    "more validation data (data prepare --val-fraction) or set train.eval_batches=0 to train "
+                    "without validation",
+                )
         self.batches = _endless(self.train_loader)
         # SWA layers get a window drawn per step (a pure function of seed and step: same on every rank).
         has_swa = "swa" in expand_pattern(cfg.model.layer_pattern)
@@ -359,19 +403,23 @@ class Trainer:
             self.measured_peak = None  # one measurement on CPU
         return row
 
-    def evaluate(self) -> float:
-        """Mean validation loss over the first train.eval_batches batches, averaged over data-parallel ranks."""
+    def evaluate(self) -> float | None:
+        """Mean validation loss over the first train.eval_batches batches, averaged over data-parallel ranks
+        (None with validation off), and the passkey score at the training length while training goes on."""
         device = self.engine.device
-        batches = [
-            {k: v.to(device) for k, v in b.items()}
-            for b in itertools.islice(self.val_loader, self.cfg.train.eval_batches)
-        ]
-        self.progress.val_loss = self.engine.mean_loss(batches)
+        metrics = {}
+        if self.val_loader is not None:
+            batches = [
+                {k: v.to(device) for k, v in b.items()}
+                for b in itertools.islice(self.val_loader, self.cfg.train.eval_batches)
+            ]
+            metrics["val_loss"] = self.progress.val_loss = self.engine.mean_loss(batches)
         # Retrieval at the training length as training goes (diagnostic curves; cheap: a few prompts).
         seq_len = self.cfg.data.seq_len
         during = self.progress.step < self.cfg.train.steps and holds_passkey(self.tokenizer, seq_len)
-        scores = self.passkey([seq_len]) if during else {}
-        self.logger.log(self.progress.step, {"val_loss": self.progress.val_loss, **scores})
+        metrics.update(self.passkey([seq_len]) if during else {})
+        if metrics:
+            self.logger.log(self.progress.step, metrics)
         return self.progress.val_loss
 
     def passkey(self, lengths: list[int]) -> dict[str, float]:
@@ -477,7 +525,7 @@ class Trainer:
         if self.rank == 0 and loss_plot:
             plot_loss(self.run_dir / "metrics.jsonl", loss_plot)
         steps_run = cfg.train.steps - start_step
-        return Summary(
+        summary = Summary(
             run_dir=str(self.run_dir),
             steps=cfg.train.steps,
             tokens=cfg.train.steps * self.tokens_per_step,
@@ -492,6 +540,9 @@ class Trainer:
             passkey=passkey,
             passkey_plot=str(passkey_plot) if passkey_plot else None,
         )
+        if self.rank == 0:  # what a start of the finished run reports instead of training
+            checkpoint.write_json(self.run_dir / SUMMARY_FILE, asdict(summary))
+        return summary
 
     def close(self) -> None:
         self.logger.close()
@@ -507,6 +558,9 @@ def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
     setup_logging(rank)
     run_dir, resuming, lock = choose_run_directory(cfg, fresh, resume, lock=rank == 0)
     try:
+        done = completed_summary(run_dir, cfg.train.steps) if resuming else None
+        if done is not None:  # every rank reads the same files, so every rank stops here
+            raise AlreadyComplete(done)
         trainer = Trainer(cfg, run_dir, resuming)
         try:
             return trainer.run()

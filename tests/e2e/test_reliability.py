@@ -13,8 +13,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers.runs import megabam_train, start_train, wait_for_step
+from helpers.runs import logged, megabam_train, start_train, wait_for_step
 
+from megabam.cli import main
+from megabam.data.corpus import python_stdlib_documents
+from megabam.data.tokenizer import train_tokenizer
 from megabam.parallel.distributed import default_extensions_dir
 
 
@@ -30,6 +33,34 @@ def test_micro_batch_larger_than_the_data_is_refused_at_start(tmp_path, data_cac
     assert last.startswith("megabam: error: <data>: train.micro_batch_size: 100000 is more than the ")
     assert last.endswith("training samples each data-parallel rank reads per epoch")
     assert time.monotonic() - t0 < 120 and not (tmp_path / "huge").exists()
+
+
+def test_a_validation_split_smaller_than_a_micro_batch_is_refused_or_turned_off(tmp_path, data_cache, capsys):
+    """`data prepare`'s default --val-fraction on a small corpus gave fewer validation samples than one
+    micro-batch, and training logged a val loss of NaN at every evaluation without a word. Now prepare
+    warns, training refuses at start with both numbers, and train.eval_batches=0 trains without
+    validation and says so."""
+    tok = tmp_path / "tok.model"
+    train_tokenizer(python_stdlib_documents(200_000), tok, vocab_size=400)
+    (tmp_path / "in.txt").write_text("\n".join(f"line {i} of some text" for i in range(3000)))
+    prepare = ["data", "prepare", str(tmp_path / "in.txt"), "--out", str(tmp_path / "ds"), "--tokenizer", str(tok)]
+    prepare += ["--seq-len", "64", "--text-unit", "line", "--val-fraction", "0.005", "--workers", "0", "--no-progress"]
+    assert main(prepare) == 0
+    val = json.loads((tmp_path / "ds" / "meta.json").read_text())["summary"]["samples"]["val"]
+    assert 0 < val < 8 and f"warning: the validation split has {val} samples, under 64" in capsys.readouterr().out
+    mds = ["data.source=mds", f"data.tokenizer={tok}", f"data.streams=[{{path: {tmp_path / 'ds'}}}]"]
+    mds += ["model.vocab_size=400", "data.seq_len=64", "train.micro_batch_size=8", "eval.passkey_samples=0"]
+    refused = megabam_train(tmp_path, data_cache, "run.name=small", *mds, check=False)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"megabam: error: <data>: train.eval_batches: the validation data holds {val} samples per data-parallel "
+        "rank, fewer than one micro-batch of 8 (train.micro_batch_size): prepare more validation data (data "
+        "prepare --val-fraction) or set train.eval_batches=0 to train without validation"
+    )
+    assert not (tmp_path / "small").exists()
+    off = megabam_train(tmp_path, data_cache, "run.name=small", *mds, "train.eval_batches=0", "train.steps=3")
+    assert "val loss        off (train.eval_batches=0)" in off.stdout and "nan" not in off.stdout
+    assert sorted(logged(tmp_path / "small", "loss")) == [1, 2, 3] and not logged(tmp_path / "small", "val_loss")
 
 
 def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(tmp_path, data_cache):
@@ -67,9 +98,14 @@ def test_lowering_train_steps_on_resume_keeps_every_checkpoint(tmp_path, data_ca
     last = result.stderr.strip().splitlines()[-1]
     assert last.endswith("is at step 6, beyond train.steps=4; nothing to do (raise train.steps to train on)")
     assert digests(checkpoints) == before
-    # The same step count again is a finished run: nothing is trained or saved over.
+    # The same step count again is a finished run: its stored summary, and nothing trained or written.
+    run, stored = tmp_path / "done", json.loads((tmp_path / "done" / "summary.json").read_text())
+    files = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    everything = digests(run)
     again = megabam_train(tmp_path, data_cache, "run.name=done", "train.steps=6")
-    assert "resumed from" in again.stdout + again.stderr and digests(checkpoints) == before
+    assert f"megabam: {run} is already complete at step 6 (train.steps); nothing to do" in again.stdout
+    assert f"val loss        {stored['val_loss']:.4f}" in again.stdout and "resumed from" not in again.stderr
+    assert digests(run) == everything and {p: p.stat().st_mtime_ns for p in run.rglob("*")} == files
 
 
 def test_a_kill_before_the_first_checkpoint_restarts_from_step_zero(tmp_path, data_cache):
