@@ -397,7 +397,11 @@ class DataConfig:
     streams: list[StreamConfig] = doc(
         [], "data.source=mds: the prepared datasets to mix (path, remote, weight or repeat)."
     )
-    tokenizer: str | None = doc(None, "data.source=mds: the sentencepiece .model the streams were tokenized with.")
+    tokenizer: str | None = doc(
+        None,
+        "data.source=mds: the tokenizer the streams were tokenized with (a sentencepiece .model, a tokenizer.json "
+        "or a save_pretrained folder).",
+    )
     verify_hashes: bool = doc(
         False,
         "data.source=mds: check every local shard's sha1 before training (reads all data once; "
@@ -435,7 +439,7 @@ class DataConfig:
             return
         # data.source=mds needs streams and a tokenizer; weights positive, on every stream or none.
         require(len(self.streams) >= 1, f"{key}.streams", "data.source mds needs at least one stream")
-        require(bool(self.tokenizer), f"{key}.tokenizer", "data.source mds needs the tokenizer .model of its streams")
+        require(bool(self.tokenizer), f"{key}.tokenizer", "data.source mds needs the tokenizer of its streams")
         weighted = [s.weight is not None for s in self.streams]
         for i, s in enumerate(self.streams):
             at = f"{key}.streams[{i}]"

@@ -12,7 +12,6 @@ safetensors_out.py), so peak memory is about the largest tensor's full size time
 
 import dataclasses
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from megabam.config.loader import save_config
 from megabam.convert.output import check_output, output_folder
 from megabam.convert.reader import CheckpointReader
 from megabam.convert.safetensors_out import read_model, weight_files, write_model
+from megabam.data.tokenizer import copy_tokenizer, open_tokenizer, tokenizer_in
 from megabam.model import Decoder
 from megabam.train.checkpoint import META_FILE, CheckpointError, CheckpointMeta
 
@@ -47,7 +47,7 @@ def consolidate(
     with output_folder(out) as tmp:
         files = write_model(tmp, entries, DTYPES[dtype], reader.tensor, max_shard_bytes)
         save_config(reader.config, tmp / "config.yaml")
-        shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+        copy_tokenizer(open_tokenizer(tokenizer), tmp)
         (tmp / META_FILE).write_text(reader.meta.to_json())
         layout = {"tensor": reader.tp, "pipeline": reader.pp}
         marker = {"format": FORMAT, "version": 1, "source": str(reader.path), "step": reader.meta.step}
@@ -70,7 +70,7 @@ class Consolidated:
     model: Decoder
     config: Config
     meta: CheckpointMeta
-    tokenizer: Path
+    tokenizer: Path | None  # None: a model imported without one (from-hf of a bare Llama)
 
 
 def read_consolidated(folder: Path) -> Consolidated:
@@ -92,7 +92,7 @@ def read_consolidated(folder: Path) -> Consolidated:
         model.load_state_dict({k: v.float() for k, v in state.items()})
     except (OSError, RuntimeError, KeyError, ValueError, SafetensorError) as e:
         raise CheckpointError(f"{folder}: weights do not fit its config.yaml ({str(e).splitlines()[0]})") from None
-    return Consolidated(model, config, meta, folder / "tokenizer.model")
+    return Consolidated(model, config, meta, tokenizer_in(folder))
 
 
 # Keys of the model config that only set initial values (or choose kernels): a run may start from a

@@ -23,6 +23,17 @@ from megabam.convert.consolidate import DTYPES
 from megabam.convert.output import check_output, output_folder
 from megabam.convert.reader import CheckpointReader
 from megabam.convert.safetensors_out import write_model
+from megabam.data.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    HF_CONFIG,
+    PAD_ID,
+    UNK_ID,
+    SentencePieceTokenizer,
+    Tokenizer,
+    copy_tokenizer,
+    open_tokenizer,
+)
 from megabam.train.checkpoint import META_FILE
 
 PACKAGE = Path(__file__).resolve().parents[1]  # megabam/
@@ -113,16 +124,22 @@ def _modeling_source(bundled: dict[str, str]) -> str:
     return source.replace(GENERATED_MARK, imports)
 
 
-def write_tokenizer(spm_model: Path, folder: Path) -> None:
-    """The sentencepiece model with a prebuilt fast tokenizer (tokenizer.json) and its config files."""
+def write_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
+    """The run's tokenizer as transformers loads it: a Hugging Face one as it is (with its config), a
+    sentencepiece model with a prebuilt fast tokenizer (tokenizer.json) and its config files."""
     from transformers import LlamaTokenizerFast
 
-    from megabam.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
-
-    sp = Tokenizer(spm_model)
-    pieces = {i: sp._sp.id_to_piece(i) for i in (PAD_ID, UNK_ID, BOS_ID, EOS_ID)}
+    if not isinstance(tokenizer, SentencePieceTokenizer):
+        copy_tokenizer(tokenizer, folder)
+        # AutoTokenizer reads the class here; without it, it would look up the model type (megabam's)
+        config = json.loads((folder / HF_CONFIG).read_text())
+        if "tokenizer_class" not in config:
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            (folder / HF_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+        return
+    pieces = {i: tokenizer.piece(i) for i in (PAD_ID, UNK_ID, BOS_ID, EOS_ID)}
     fast = LlamaTokenizerFast(
-        vocab_file=str(spm_model),
+        vocab_file=str(tokenizer.path),
         from_slow=True,
         legacy=False,
         add_prefix_space=False,
@@ -134,7 +151,7 @@ def write_tokenizer(spm_model: Path, folder: Path) -> None:
         eos_token=pieces[EOS_ID],
     )
     fast.save_pretrained(folder)
-    shutil.copyfile(spm_model, folder / "tokenizer.model")
+    shutil.copyfile(tokenizer.path, folder / "tokenizer.model")
 
 
 def to_hf(
@@ -146,7 +163,7 @@ def to_hf(
     reader = CheckpointReader(source)
     check_output(out, overwrite, reader.path)
     reader.check()
-    tokenizer = reader.tokenizer_path()
+    tokenizer = open_tokenizer(reader.tokenizer_path())
     bundled = bundle()
     entries = [(PREFIX + name, shape) for name, shape in reader.shapes.items()]
     with output_folder(out) as tmp:
@@ -159,13 +176,11 @@ def to_hf(
         (tmp / "modeling_megabam.py").write_text(_modeling_source(bundled))
         from dataclasses import asdict
 
-        from megabam.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-
         config = MegabamConfig(
             megabam=asdict(reader.config.model),
-            bos_token_id=BOS_ID,
-            eos_token_id=EOS_ID,
-            pad_token_id=PAD_ID,
+            bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id,
             architectures=["MegabamForCausalLM"],
             auto_map={
                 "AutoConfig": "configuration_megabam.MegabamConfig",

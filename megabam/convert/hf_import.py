@@ -11,7 +11,6 @@ an export), and `megabam eval` and `convert to-hf` read it as they read any cons
 
 import dataclasses
 import json
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from megabam.convert.consolidate import FORMAT, MARKER, Consolidated
 from megabam.convert.hf_export import CONFIG_FILE, PREFIX
 from megabam.convert.output import check_output, output_folder
 from megabam.convert.safetensors_out import read_model, weight_files, write_model
+from megabam.data.errors import DataError
+from megabam.data.tokenizer import copy_tokenizer, load_tokenizer, tokenizer_in
 from megabam.model import Decoder
 from megabam.train.checkpoint import META_FILE, CheckpointError, CheckpointMeta
 
@@ -55,6 +56,14 @@ def from_hf(folder: Path, out: Path, overwrite: bool = False) -> list[str]:
         )
     check_output(out, overwrite, folder)
     source = readers[kind](folder, hf_config)
+    tokenizer = None
+    if source.tokenizer is not None:  # checked before anything is written
+        try:
+            tokenizer = load_tokenizer(source.tokenizer, source.config.model.vocab_size)
+        except DataError as e:
+            raise CheckpointError(f"{folder}: its tokenizer cannot be used ({e})") from None
+        if kind != "megabam":  # an imported model's config points at its tokenizer (an export keeps its own)
+            source.config.data.tokenizer = str(out.absolute() / tokenizer.file_name)
     with torch.device("meta"):
         shapes = {name: tuple(t.shape) for name, t in Decoder(source.config.model).state_dict().items()}
     for name, shape in shapes.items():  # every tensor there and of its shape before anything is written
@@ -65,20 +74,25 @@ def from_hf(folder: Path, out: Path, overwrite: bool = False) -> list[str]:
     with output_folder(out) as tmp:
         files = write_model(tmp, list(shapes.items()), dtype, source.fetch, 5 * 10**9)
         save_config(source.config, tmp / "config.yaml")
-        if source.tokenizer is not None:
-            shutil.copyfile(source.tokenizer, tmp / "tokenizer.model")
-        (tmp / META_FILE).write_text(source.meta.to_json())
+        copied = copy_tokenizer(tokenizer, tmp).name if tokenizer is not None else ""
+        meta = source.meta if source.meta.tokenizer else dataclasses.replace(source.meta, tokenizer=copied)
+        (tmp / META_FILE).write_text(meta.to_json())
         marker = {"format": FORMAT, "version": 1, "source": str(folder), "step": source.meta.step}
         marker |= {"dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))}
         marker |= {"imported_from": kind, "weights": files}
         (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-    lines = [
-        f"imported {folder} ({source.what}) into {out} in {time.perf_counter() - start:.1f} s",
-        f"continue pretraining: megabam train CONFIG train.init_from={out} (the optimizer starts fresh)",
+    lines = [f"imported {folder} ({source.what}) into {out} in {time.perf_counter() - start:.1f} s"]
+    if tokenizer is None:
+        lines.append("no tokenizer.model or tokenizer.json there: prepare the data with the model's own tokenizer")
+        lines.append(f"continue pretraining: megabam train CONFIG train.init_from={out} (the optimizer starts fresh)")
+        return lines
+    data = out / "data"
+    return lines + [
+        f"continue pretraining: megabam data prepare CORPUS --tokenizer {out / tokenizer.file_name} --out {data} "
+        f"--seq-len {source.config.data.seq_len}",
+        f"  then megabam train {out / 'config.yaml'} data.source=mds 'data.streams=[{{path: {data}}}]' "
+        f"train.init_from={out} (the optimizer starts fresh)",
     ]
-    if source.tokenizer is None:
-        lines.append("no tokenizer.model there: prepare the data with the model's own tokenizer (data.tokenizer)")
-    return lines
 
 
 def _tensors(folder: Path) -> Callable:
@@ -117,7 +131,8 @@ def _megabam_export(folder: Path, hf_config: dict) -> Source:
     get = _tensors(folder)
     meta = CheckpointMeta.read(folder / META_FILE)
     fetch = lambda name, shape_only=False: get(PREFIX + name, shape_only)  # noqa: E731
-    return Source(config, fetch, meta, folder / "tokenizer.model", f"megabam export of step {meta.step}")
+    # its sentencepiece model if it was trained with one (tokenizer.json beside it is a conversion)
+    return Source(config, fetch, meta, tokenizer_in(folder), f"megabam export of step {meta.step}")
 
 
 def _llama(folder: Path, c: dict) -> Source:
@@ -195,8 +210,8 @@ def _llama(folder: Path, c: dict) -> Source:
             return read(layer + "mlp.down_proj.weight")
         raise CheckpointError(f"{folder}: no Llama tensor maps to {name}")
 
-    meta = CheckpointMeta(0, 0, 0, {}, dataclasses.asdict(config), 0, "tokenizer.model", None, None)
-    tokenizer = folder / "tokenizer.model" if (folder / "tokenizer.model").is_file() else None
+    meta = CheckpointMeta(0, 0, 0, {}, dataclasses.asdict(config), 0, "", None, None)
+    tokenizer = tokenizer_in(folder)
     return Source(config, fetch, meta, tokenizer, f"LlamaForCausalLM, {c['num_hidden_layers']} layers")
 
 
@@ -270,8 +285,8 @@ def _xlstm(folder: Path, c: dict) -> Source:
             return read(block + "mlstm_layer." + mixer[rest[len("mixer.") :]])
         raise CheckpointError(f"{folder}: no xLSTM tensor maps to {name}")
 
-    meta = CheckpointMeta(0, 0, 0, {}, dataclasses.asdict(config), 0, "tokenizer.model", None, None)
-    tokenizer = folder / "tokenizer.model" if (folder / "tokenizer.model").is_file() else None
+    meta = CheckpointMeta(0, 0, 0, {}, dataclasses.asdict(config), 0, "", None, None)
+    tokenizer = tokenizer_in(folder)
     return Source(config, fetch, meta, tokenizer, f"xLSTMForCausalLM, {layers} mLSTM layers")
 
 
@@ -294,4 +309,4 @@ def read_export(folder: Path) -> Consolidated:
         model.load_state_dict(state)
     except (OSError, RuntimeError, KeyError, ValueError, SafetensorError) as e:
         raise CheckpointError(f"{folder}: weights do not fit its {CONFIG_FILE} ({str(e).splitlines()[0]})") from None
-    return Consolidated(model, config, CheckpointMeta.read(folder / META_FILE), folder / "tokenizer.model")
+    return Consolidated(model, config, CheckpointMeta.read(folder / META_FILE), tokenizer_in(folder))

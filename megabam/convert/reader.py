@@ -20,6 +20,7 @@ from torch import Tensor
 
 from megabam.config import Config, ConfigError
 from megabam.config.loader import config_from_dict
+from megabam.data.tokenizer import TOKENIZER_FILES, tokenizer_in
 from megabam.model import Decoder
 from megabam.parallel.pipeline_layers import TIED_HEAD, layer_file, locate, pipeline_layers
 from megabam.parallel.tensor_parallel import Split, shard, tp_splits, unshard
@@ -111,11 +112,14 @@ class CheckpointReader:
     def tokenizer_path(self) -> Path:
         """The run's tokenizer: beside the checkpoints (so a moved run still works), else where the
         run recorded it."""
-        beside = self.run_dir / "tokenizer.model"
+        beside = tokenizer_in(self.run_dir)
         for candidate in (beside, Path(self.meta.tokenizer)):
-            if candidate.is_file():
+            if candidate is not None and candidate.is_file():
                 return candidate
-        raise CheckpointError(f"{self.path}: its tokenizer is neither {beside} nor {self.meta.tokenizer}")
+        raise CheckpointError(
+            f"{self.path}: its tokenizer is neither in {self.run_dir} ({' or '.join(TOKENIZER_FILES)}) nor "
+            f"{self.meta.tokenizer}"
+        )
 
     def pieces(self, name: str) -> list[Piece]:
         """Each tensor rank's file and key of tensor `name` (a replicated tensor is on every rank too)."""

@@ -32,6 +32,7 @@ from megabam.config.loader import config_from_dict, save_config
 from megabam.convert.optimizer_state import KINDS, OptimizerState
 from megabam.convert.output import check_output, output_folder
 from megabam.convert.reader import CheckpointReader
+from megabam.data.tokenizer import copy_tokenizer, open_tokenizer
 from megabam.parallel.layout import ParallelLayout
 from megabam.train.checkpoint import CheckpointError, checkpoint_root, list_tags
 
@@ -103,11 +104,11 @@ def reshard(
     world = tp * pp * dp
     with output_folder(out) as tmp:
         save_config(config_from_dict(raw, SOURCE), tmp / "config.yaml")
-        shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+        copied = copy_tokenizer(open_tokenizer(tokenizer), tmp)
         metrics = reader.run_dir / "metrics.jsonl"
         if metrics.is_file():  # the resumed run drops its rows past the checkpoint (and any cut short)
             shutil.copyfile(metrics, tmp / "metrics.jsonl")
-        _run_ranks(world, str(reader.path), str(tmp), raw, str(out / "tokenizer.model"))
+        _run_ranks(world, str(reader.path), str(tmp), raw, str(out / copied.name))
         written = list_tags(tmp)
         if not written:
             raise CheckpointError(f"{tmp}: the ranks finished without writing a checkpoint")

@@ -7,6 +7,12 @@ from pathlib import Path
 from megabam import exit_codes
 from megabam.data.errors import DataError
 
+TOKENIZER_HELP = "a sentencepiece .model, a Hugging Face tokenizer.json, or a save_pretrained folder (local)"
+INPUTS_HELP = (
+    "text inputs: .txt/.md/.jsonl (plain, .gz or .zst), .parquet, .arrow, Hugging Face datasets folders "
+    "(save_to_disk or a hub download), MDS dirs; directories; globs"
+)
+
 
 def add_data_parser(sub) -> None:
     """Register the ``data`` command and its subcommands on ``megabam``'s subparsers."""
@@ -20,17 +26,19 @@ def add_data_parser(sub) -> None:
 
     tok = cmds.add_parser(
         "tokenizer",
-        help="train a sentencepiece model, or check an existing one",
-        description="Train a sentencepiece model on text inputs (files, directories, globs, "
-        "MDS text shards), or check an existing .model with --load. "
+        help="train a sentencepiece model, or check an existing tokenizer",
+        description="Train a sentencepiece model on text inputs (files, directories, globs, Parquet, Arrow, "
+        "datasets folders, MDS text shards), or check an existing .model with --load. "
         "Example: megabam data tokenizer corpus/*.jsonl.zst --out tok.model --vocab-size 32000",
     )
-    tok.add_argument(
-        "inputs", nargs="*", help="text inputs (.txt/.md/.jsonl, plain, .gz or .zst; directories; globs; MDS dirs)"
-    )
+    tok.add_argument("inputs", nargs="*", help=INPUTS_HELP)
     tok.add_argument("--out", help="where to write the .model (written atomically)")
     tok.add_argument("--overwrite", action="store_true", help="replace an existing .model at --out")
-    tok.add_argument("--load", metavar="MODEL", help="check an existing .model instead of training one")
+    tok.add_argument(
+        "--load",
+        metavar="TOKENIZER",
+        help="check an existing tokenizer (a sentencepiece .model, a tokenizer.json or a save_pretrained folder)",
+    )
     tok.add_argument("--vocab-size", type=int, help="pieces in the vocabulary (required to train; checked with --load)")
     tok.add_argument(
         "--model-type", choices=["bpe", "unigram"], default="bpe", help="sentencepiece algorithm (default bpe)"
@@ -52,19 +60,38 @@ def add_data_parser(sub) -> None:
     prep = cmds.add_parser(
         "prepare",
         help="tokenize text into packed MDS shards (train/val)",
-        description="Tokenize text inputs with worker processes, pack into seq_len+1-token samples "
-        "(document boundaries kept) and write MDS shards with a train/val split. "
-        "Example: megabam data prepare web/*.jsonl.gz --out data/web --tokenizer tok.model --seq-len 4096",
+        description="Tokenize inputs, pack into seq_len+1-token samples (document boundaries kept) and write MDS "
+        "shards with a train/val split, in tasks of about --task-size of input that worker processes run "
+        "(reading, tokenizing, packing and writing each its own part), merged at the end. The dataset is the same "
+        "for any --workers or --num-shards; an interrupted prepare run again with the same arguments keeps its "
+        "finished tasks. Example: megabam data prepare web/*.jsonl.gz --out data/web --tokenizer tok.model "
+        "--seq-len 4096 --workers 8",
     )
-    prep.add_argument(
-        "inputs", nargs="+", help="text inputs (.txt/.md/.jsonl, plain, .gz or .zst; directories; globs; MDS dirs)"
-    )
+    prep.add_argument("inputs", nargs="+", help=INPUTS_HELP)
     prep.add_argument("--out", required=True, help="output directory (appears only when complete)")
-    prep.add_argument("--tokenizer", required=True, help="sentencepiece .model")
+    prep.add_argument("--tokenizer", required=True, help=TOKENIZER_HELP)
     prep.add_argument(
         "--seq-len", type=int, required=True, help="training sequence length; samples hold seq_len+1 tokens"
     )
-    prep.add_argument("--workers", type=int, default=1, help="tokenizer processes (0 = in the main process; default 1)")
+    prep.add_argument(
+        "--workers", type=int, default=1, help="processes running tasks (0 or 1 = this process; default 1)"
+    )
+    prep.add_argument(
+        "--task-size", default="64mb", help="input bytes per task, the unit of work and of resuming (default 64mb)"
+    )
+    prep.add_argument(
+        "--shard-index",
+        type=int,
+        default=0,
+        help="this process's part of a prepare split over --num-shards processes (nodes) writing into one --out",
+    )
+    prep.add_argument(
+        "--num-shards",
+        type=int,
+        default=1,
+        help="processes sharing the prepare (e.g. a SLURM array: --shard-index $SLURM_ARRAY_TASK_ID); the last "
+        "to finish merges, or `megabam data merge OUT` does",
+    )
     prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for validation")
     prep.add_argument("--seed", type=int, default=0, help="seed of the train/val assignment")
     prep.add_argument(
@@ -75,6 +102,15 @@ def add_data_parser(sub) -> None:
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_reading_args(prep)
 
+    mrg = cmds.add_parser(
+        "merge",
+        help="join the parts of a prepare split over several processes",
+        description="Join the finished tasks of `data prepare --num-shards S` into the dataset OUT (streaming's "
+        "index merge). Example: megabam data merge data/web",
+    )
+    mrg.add_argument("out", help="the --out of the prepare")
+    mrg.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+
     ins = cmds.add_parser(
         "inspect",
         help="verify shards and summarise a prepared dataset",
@@ -83,7 +119,7 @@ def add_data_parser(sub) -> None:
     )
     ins.add_argument("path", help="a prepared dataset (train/, val/) or one MDS directory")
     ins.add_argument(
-        "--tokenizer", help="sentencepiece .model for decoding (default: tokenizer.model beside the splits)"
+        "--tokenizer", help="the tokenizer for decoding (default: the one beside the splits); " + TOKENIZER_HELP
     )
     ins.add_argument("--vocab-size", type=int, help="refuse token ids at or above this size (default: the tokenizer's)")
     ins.add_argument("--samples", type=int, default=2, help="samples to decode per split")
@@ -100,7 +136,7 @@ def add_data_parser(sub) -> None:
 
     syn.add_argument("kind", choices=KINDS, help="passkey (the BAM paper's protocol) or a RULER single-needle variant")
     syn.add_argument("--out", required=True, help="output directory (appears only when complete)")
-    syn.add_argument("--tokenizer", required=True, help="sentencepiece .model")
+    syn.add_argument("--tokenizer", required=True, help=TOKENIZER_HELP)
     syn.add_argument(
         "--seq-len", type=int, required=True, help="training sequence length; samples hold seq_len+1 tokens"
     )
@@ -114,7 +150,16 @@ def add_data_parser(sub) -> None:
 
 
 def _add_reading_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--field", default="text", help="JSON Lines / MDS field that holds the text (default text)")
+    parser.add_argument(
+        "--field",
+        default="text",
+        help="JSON Lines field / Parquet, Arrow or MDS column that holds the text (default text)",
+    )
+    parser.add_argument(
+        "--hf-split",
+        default="train",
+        help="the split read from a Hugging Face datasets folder that holds several (default train)",
+    )
     parser.add_argument(
         "--text-unit",
         choices=["file", "line"],
@@ -146,7 +191,9 @@ def _tokenizer(args) -> list[str]:
 
     if args.load:
         tok = load_tokenizer(args.load, args.vocab_size)
-        return [f"tokenizer {args.load}: {tok.vocab_size} pieces, pad {tok.pad_id}, bos {tok.bos_id}, eos {tok.eos_id}"]
+        kind = type(tok).__name__.removesuffix("Tokenizer")
+        ids = f"pad {tok.pad_id}, bos {tok.bos_id}, eos {tok.eos_id}"
+        return [f"tokenizer {args.load} ({kind}, {tok.path.name}): {tok.vocab_size} pieces, {ids}"]
     if not args.inputs or not args.out or not args.vocab_size:
         raise DataError("training a tokenizer needs inputs, --out and --vocab-size (or check one with --load)")
     out = Path(args.out)
@@ -156,7 +203,7 @@ def _tokenizer(args) -> list[str]:
         raise DataError(f"--out {out}: exists; pass --overwrite to replace it")
     stats = SourceStats()
     docs = read_documents(
-        expand_inputs(args.inputs),
+        expand_inputs(args.inputs, args.hf_split),
         text_field=args.field,
         text_unit=args.text_unit,
         on_bad_utf8=args.on_bad_utf8,
@@ -191,20 +238,25 @@ def _check_shard_options(args) -> None:
 
     if args.workers < 0:
         raise DataError(f"--workers: must be 0 (in the main process) or more, got {args.workers}")
+    if args.num_shards < 1 or not 0 <= args.shard_index < args.num_shards:
+        raise DataError(f"--shard-index: {args.shard_index} must lie in 0..{args.num_shards - 1} (--num-shards)")
     if args.compression != "none" and args.compression not in get_compressions():
         raise DataError(f"--compression: unknown {args.compression!r} (zstd, zstd:LEVEL, gz, br, bz2, snappy, none)")
-    try:
-        if bytes_to_int(args.size_limit) < 1:
-            raise ValueError
-    except ValueError:
-        raise DataError(f"--size-limit: {args.size_limit!r} is not a size (e.g. 64mb, 1gb, 500000)") from None
+    for flag, value in (("--size-limit", args.size_limit), ("--task-size", args.task_size)):
+        try:
+            if bytes_to_int(value) < 1:
+                raise ValueError
+        except ValueError:
+            raise DataError(f"{flag}: {value!r} is not a size (e.g. 64mb, 1gb, 500000)") from None
 
 
 def _prepare(args) -> list[str]:
     from megabam.data.prepare import prepare_dataset
+    from megabam.data.streaming_import import import_streaming
 
     _check_shard_options(args)
-    summary = prepare_dataset(
+    bytes_to_int = import_streaming().base.util.bytes_to_int
+    result = prepare_dataset(
         args.inputs,
         args.out,
         args.tokenizer,
@@ -212,6 +264,7 @@ def _prepare(args) -> list[str]:
         text_field=args.field,
         text_unit=args.text_unit,
         on_bad_utf8=args.on_bad_utf8,
+        hf_split=args.hf_split,
         workers=args.workers,
         val_fraction=args.val_fraction,
         seed=args.seed,
@@ -219,8 +272,20 @@ def _prepare(args) -> list[str]:
         size_limit=args.size_limit,
         overwrite=args.overwrite,
         progress=not args.no_progress,
+        task_bytes=bytes_to_int(args.task_size),
+        shard_index=args.shard_index,
+        num_shards=args.num_shards,
     )
-    return [f"prepared {args.out}"] + summary.lines()
+    return result.lines(Path(args.out))
+
+
+def _merge(args) -> list[str]:
+    from megabam.data.prepare import merge_prepared
+
+    summary = merge_prepared(args.out, args.overwrite)
+    if summary is None:
+        return [f"{args.out}: another process is merging it"]
+    return [f"merged {args.out}"] + summary.lines()
 
 
 def _inspect(args) -> list[str]:
@@ -256,4 +321,4 @@ def _synth(args) -> list[str]:
     ]
 
 
-_COMMANDS = {"tokenizer": _tokenizer, "prepare": _prepare, "inspect": _inspect, "synth": _synth}
+_COMMANDS = {"tokenizer": _tokenizer, "prepare": _prepare, "merge": _merge, "inspect": _inspect, "synth": _synth}

@@ -7,7 +7,7 @@ import numpy as np
 
 from megabam.data.errors import DataError
 from megabam.data.shards import iter_mds_samples, read_index, verify_shards
-from megabam.data.tokenizer import Tokenizer, load_tokenizer
+from megabam.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_in
 
 
 @dataclass
@@ -37,15 +37,15 @@ def inspect_dataset(
     """Verify the shards of ``path`` and summarise each split (``train``/``val``, or ``path`` itself).
 
     Shards are checked against their index (size, sha1) before reading; token ids at or above the
-    vocabulary size (the tokenizer's, ``tokenizer.model`` beside the splits, or ``vocab_size``)
+    vocabulary size (the tokenizer's, the one beside the splits, or ``vocab_size``)
     raise DataError. ``max_samples`` caps the samples read per split for the token statistics.
     """
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path} does not exist")
     splits = [path / s for s in ("train", "val") if (path / s / "index.json").exists()] or [path]
-    if tokenizer_path is None and (path / "tokenizer.model").exists():
-        tokenizer_path = path / "tokenizer.model"
+    if tokenizer_path is None:
+        tokenizer_path = tokenizer_in(path)
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
     vocab = vocab_size or (tokenizer.vocab_size if tokenizer else None)
     return [_inspect_split(d, tokenizer, vocab, n_decoded, max_samples, top) for d in splits]

@@ -1,55 +1,85 @@
-"""`megabam data prepare`: text inputs → tokens (worker processes) → packed samples → MDS shards.
+"""`megabam data prepare`: inputs (megabam/data/sources.py) → tokens → packed samples → MDS shards,
+in parallel tasks that resume and merge.
 
-The output directory holds ``train/`` and ``val/`` (MDS datasets, one StreamingDataset ``split``
-each), ``tokenizer.model`` (a copy of the tokenizer used) and ``meta.json`` (sequence length,
-vocab size, the summary). Documents, not samples, are assigned to train or validation, so no
-document straddles the two.
+The input files are cut into tasks (consecutive files of about ``task_bytes`` together; the cut
+depends on the inputs alone). Each task reads, tokenizes, packs and writes its own MDS part of each
+split — ``train/NNNNNN/`` and ``val/NNNNNN/`` — in a worker process, so every stage scales with
+``workers``; its documents go to train or validation by a random stream of (seed, task), never
+straddling the two. When every task is done, streaming's own index merge joins the parts (in task
+order) into ``train/index.json`` and ``val/index.json``. The dataset is therefore the same for any
+number of workers or shards, sample for sample: only the leftover tokens of each task's last partial
+sample are dropped (counted).
+
+All of it is built in ``.OUT.prepare`` beside ``out``, which holds the plan (inputs, tokenizer, every
+setting) and a marker per finished task; the folder becomes ``out`` (with the tokenizer and
+``meta.json``) only when the merge is complete. An interrupted prepare started again with the same
+arguments keeps the finished tasks (their shards verified against their hashes) and redoes the
+rest. ``shard_index`` / ``num_shards`` split the tasks over processes on several nodes writing into
+the same folder (task k goes to shard k mod num_shards); the last to finish merges, or ``megabam data
+merge OUT`` does.
 """
 
+import fcntl
+import hashlib
 import json
+import logging
 import multiprocessing
+import os
 import random
 import shutil
 import sys
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+import uuid
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import numpy as np
-
 from megabam.data.errors import DataError
-from megabam.data.output_dir import check_output, staged_output
+from megabam.data.output_dir import check_output
 from megabam.data.packing import Packer
-from megabam.data.shards import open_mds_writer, write_sample
+from megabam.data.shards import open_mds_writer, verify_shards, write_sample
 from megabam.data.sources import SourceStats, expand_inputs, read_documents
-from megabam.data.tokenizer import Tokenizer, load_tokenizer
+from megabam.data.tokenizer import copy_tokenizer, load_tokenizer, open_tokenizer
 
 SPLITS = ("train", "val")
-# Documents per task sent to a tokenizer worker: large enough to amortise pickling, small enough
-# that the progress bar moves and memory stays flat.
-_CHUNK_DOCS = 256
 # Fewer validation samples than this draws a warning: one evaluation of the trainer's defaults
 # (train.eval_batches 8 × train.micro_batch_size 8) on one data-parallel rank. Training refuses a
 # split smaller than one micro-batch per rank, rather than logging a val loss of NaN.
 MIN_VAL_SAMPLES = 64
+TASK_BYTES = 64 * 2**20  # input bytes per task: many tasks per worker on a large corpus, few files each
+PLAN, DONE, MERGE_LOCK = "plan.json", "done", "merge.lock"
+LOG_EVERY_S = 30.0  # progress lines off a terminal
 
 
 @dataclass
 class PrepareSummary(SourceStats):
-    """What one ``prepare`` run read (the reader's counts, filled in directly) and wrote."""
+    """What a prepare (or one task of it) read and wrote; the reader's counts are filled in directly."""
 
     long_documents_split: int = 0
     tokens: int = 0
     tokens_dropped: int = 0
     samples: dict[str, int] = field(default_factory=lambda: {s: 0 for s in SPLITS})
     shards: dict[str, int] = field(default_factory=lambda: {s: 0 for s in SPLITS})
-    seconds: float = 0.0
+    input_bytes: int = 0
+    seconds: float = 0.0  # wall time of the prepare (the sum of every task's time in a task's record)
+    # Where a task's time went (summed over tasks: CPU-seconds of the workers, not wall time).
+    stage_s: dict[str, float] = field(default_factory=lambda: {s: 0.0 for s in ("read", "tokenize", "pack", "write")})
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, other: "PrepareSummary") -> None:
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, dict):
+                for key in mine:
+                    mine[key] += theirs[key]
+            elif f.name != "seconds":
+                setattr(self, f.name, mine + theirs)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "PrepareSummary":
+        return cls(**{f.name: raw[f.name] for f in fields(cls)})
 
     def lines(self) -> list[str]:
         val = self.samples["val"]
@@ -57,16 +87,34 @@ class PrepareSummary(SourceStats):
             f"warning: the validation split has {val} samples, under {MIN_VAL_SAMPLES} (the trainer's default "
             "evaluation on one rank); raise --val-fraction, or train with train.eval_batches sized to it"
         ]
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in self.stage_s.items())
+        mb_s = self.input_bytes / 2**20 / self.seconds if self.seconds > 0 else 0.0
         return [
-            f"files            {self.files:,}",
+            f"files            {self.files:,} ({self.input_bytes / 2**20:,.1f} MiB)",
             f"documents        {self.documents:,} (empty skipped {self.empty_skipped:,}, "
             f"non-UTF-8 replaced {self.bad_utf8:,}, longer than a sample and split {self.long_documents_split:,})",
             f"tokens           {self.tokens:,} with eos ({self.tokens_dropped:,} dropped in final partial samples)",
             f"samples          train {self.samples['train']:,}, val {self.samples['val']:,}",
             f"shards           train {self.shards['train']:,}, val {self.shards['val']:,}",
-            f"time             {self.seconds:.1f} s ({self.tokens_per_s:,.0f} tokens/s)",
+            f"time             {self.seconds:.1f} s ({self.tokens_per_s:,.0f} tokens/s, {mb_s:,.2f} MiB/s); "
+            f"task seconds: {stages}",
             *(warn if 0 < val < MIN_VAL_SAMPLES else []),
         ]
+
+
+@dataclass
+class PrepareResult:
+    """The dataset's summary when this process merged it; else how far the shared prepare is."""
+
+    summary: PrepareSummary | None
+    tasks_done: int
+    tasks_total: int
+    note: str = ""
+
+    def lines(self, out: Path) -> list[str]:
+        if self.summary is not None:
+            return [f"prepared {out}"] + self.summary.lines()
+        return [f"{out}: {self.tasks_done} of {self.tasks_total} tasks done; {self.note}"]
 
 
 def prepare_dataset(
@@ -78,6 +126,7 @@ def prepare_dataset(
     text_field: str = "text",
     text_unit: str = "file",
     on_bad_utf8: str = "fail",
+    hf_split: str = "train",
     workers: int = 1,
     val_fraction: float = 0.01,
     seed: int = 0,
@@ -85,120 +134,412 @@ def prepare_dataset(
     size_limit: int | str = "64mb",
     overwrite: bool = False,
     progress: bool = False,
-) -> PrepareSummary:
+    task_bytes: int = TASK_BYTES,
+    shard_index: int = 0,
+    num_shards: int = 1,
+) -> PrepareResult:
     """Tokenize ``inputs`` and write packed ``seq_len + 1``-token samples as MDS shards in ``out``.
 
-    Each document is followed by the tokenizer's eos; a document longer than a sample continues
-    into the next (counted in the summary). ``workers`` tokenizer processes (0 = tokenize in this
-    process). ``out`` appears only when complete; an existing ``out`` is refused unless
-    ``overwrite``. Bad input raises DataError with a one-line message.
+    Each document is followed by the tokenizer's eos; a document longer than a sample continues into
+    the next (counted in the summary). ``workers`` processes run the tasks (0 or 1: this one). ``out``
+    appears only when complete; an existing ``out`` is refused unless ``overwrite``. Bad input raises
+    DataError with a one-line message (and, in a one-shard prepare, leaves nothing behind).
     """
     out = Path(out)
     if seq_len < 1:
         raise DataError(f"seq_len must be at least 1, got {seq_len}")
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val fraction must lie in [0, 1), got {val_fraction}")
+    if num_shards < 1 or not 0 <= shard_index < num_shards:
+        raise DataError(f"--shard-index {shard_index} must lie in 0..--num-shards-1 ({num_shards} shards)")
     check_output(out, overwrite)
-    paths = expand_inputs(inputs)
     tokenizer = load_tokenizer(tokenizer_path)
-    sample_len = seq_len + 1
-    summary = PrepareSummary()
+    paths = expand_inputs(inputs, hf_split)
+    settings = dict(
+        seq_len=seq_len,
+        text_field=text_field,
+        text_unit=text_unit,
+        on_bad_utf8=on_bad_utf8,
+        hf_split=hf_split,
+        val_fraction=val_fraction,
+        seed=seed,
+        compression=compression,
+        size_limit=size_limit,
+        task_bytes=task_bytes,
+    )
+    plan = _plan(inputs, paths, tokenizer, settings)
+    staging = out.parent / f".{out.name}.prepare"
+    _publish_plan(staging, plan)
     start = time.perf_counter()
-    docs = read_documents(paths, text_field=text_field, text_unit=text_unit, on_bad_utf8=on_bad_utf8, stats=summary)
-    bar = _progress_bar(progress)
-    with staged_output(out, overwrite) as tmp:
-        writers = {s: open_mds_writer(tmp / s, compression, size_limit) for s in SPLITS}
-        packers = {s: Packer(sample_len, tokenizer.eos_id) for s in SPLITS}
-        rng = random.Random(seed)
+    mine = [t for t in range(len(plan["tasks"])) if t % num_shards == shard_index]
+    try:
+        todo = [t for t in mine if not _verified_done(staging, t)]
+        if len(todo) < len(mine):
+            print(f"prepare: resuming: {len(mine) - len(todo)} of {len(mine)} tasks already done", file=sys.stderr)
+        _run_tasks(staging, plan, todo, workers, progress)
+        done = _done_tasks(staging)
+        if len(done) < len(plan["tasks"]):
+            return PrepareResult(
+                None, len(done), len(plan["tasks"]), "the other parts are still running; the last one merges"
+            )
+        summary = merge_prepared(out, overwrite, staging=staging, seconds=time.perf_counter() - start)
+    except DataError:
+        if num_shards == 1:  # bad input: nothing of this prepare is worth keeping (the plan must change)
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if summary is None:
+        return PrepareResult(None, len(done), len(done), "another part merged it")
+    return PrepareResult(summary, len(done), len(done))
+
+
+def _plan(inputs: list[str], paths: list[Path], tokenizer, settings: dict) -> dict:
+    """What the prepare reads and how: the same for every shard of it and for a resumed run."""
+    files = []
+    for path in paths:
+        stat = path.stat()
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else stat.st_size
+        files.append({"path": str(path.absolute()), "bytes": size, "mtime_ns": stat.st_mtime_ns})
+    tasks, current, current_bytes = [], [], 0
+    for i, f in enumerate(files):  # consecutive files of about task_bytes together
+        current.append(i)
+        current_bytes += f["bytes"]
+        if current_bytes >= settings["task_bytes"]:
+            tasks.append(current)
+            current, current_bytes = [], 0
+    if current:
+        tasks.append(current)
+    digest = hashlib.sha1(tokenizer.path.read_bytes()).hexdigest()
+    return {
+        "version": 1,
+        "inputs": list(inputs),
+        "files": files,
+        "tasks": tasks,
+        "tokenizer": {"path": str(tokenizer.path.absolute()), "sha1": digest},
+        "settings": settings,
+    }
+
+
+def _publish_plan(staging: Path, plan: dict) -> None:
+    """Create ``staging`` with its plan, or check that the plan already there is the same."""
+    staging.mkdir(parents=True, exist_ok=True)
+    path = staging / PLAN
+    tmp = staging / f".{PLAN}.{uuid.uuid4().hex}"
+    tmp.write_text(json.dumps(plan, indent=1))
+    try:
+        os.link(tmp, path)  # create-if-absent in one step: shards starting together agree on one plan
+    except FileExistsError:
+        theirs = _read_plan(staging)
+        if theirs != plan:
+            keys = [k for k in plan if theirs.get(k) != plan[k]]
+            raise DataError(
+                f"{staging}: an unfinished prepare of other {', '.join(keys)} is there; finish it with its own "
+                "arguments, or remove the folder to start this one"
+            ) from None
+    finally:
+        tmp.unlink()
+
+
+def _read_plan(staging: Path) -> dict:
+    try:
+        plan = json.loads((staging / PLAN).read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{staging / PLAN}: unreadable ({e})") from None
+    if not isinstance(plan, dict) or not isinstance(plan.get("tasks"), list):
+        raise DataError(f"{staging / PLAN}: not a prepare plan")
+    return plan
+
+
+def _task_name(task: int) -> str:
+    return f"{task:06d}"
+
+
+def _done_tasks(staging: Path) -> set[int]:
+    folder = staging / DONE
+    names = [p.stem for p in folder.glob("*.json")] if folder.is_dir() else []
+    return {int(n) for n in names if n.isdigit()}
+
+
+def _verified_done(staging: Path, task: int) -> bool:
+    """Whether `task` finished earlier and its shards still match their hashes; if not, it is cleared."""
+    marker = staging / DONE / f"{_task_name(task)}.json"
+    if marker.is_file():
         try:
-            for tokens in _encode(docs, tokenizer.path, workers):
-                split = "val" if rng.random() < val_fraction else "train"
-                summary.tokens += len(tokens) + 1
-                summary.long_documents_split += len(tokens) + 1 > sample_len
-                for sample in packers[split].add(tokens):
-                    write_sample(writers[split], sample)
-                    summary.samples[split] += 1
-                if bar is not None:
-                    bar.update(len(tokens) + 1)
-        except BaseException:
-            for writer in writers.values():
-                writer.cancel_future_jobs()
-            raise
+            for split in SPLITS:
+                verify_shards(staging / split / _task_name(task), hashes=True)
+            return True
+        except DataError as e:
+            print(f"prepare: task {task} is redone ({e})", file=sys.stderr)
+            marker.unlink()
+    return False
+
+
+@dataclass
+class _Task:
+    """What a worker needs to run one task (the plan's part of it)."""
+
+    index: int
+    staging: str
+    files: list[str]
+    file_bytes: list[int]
+    tokenizer: str
+    settings: dict
+
+
+def _run_tasks(staging: Path, plan: dict, todo: list[int], workers: int, progress: bool) -> None:
+    tasks = [
+        _Task(
+            t,
+            str(staging),
+            [plan["files"][i]["path"] for i in plan["tasks"][t]],
+            [plan["files"][i]["bytes"] for i in plan["tasks"][t]],
+            plan["tokenizer"]["path"],
+            plan["settings"],
+        )
+        for t in todo
+    ]
+    report = _Progress(sum(sum(t.file_bytes) for t in tasks), progress)
+    if workers <= 1 or len(tasks) <= 1:  # here: no process to start
+        done = 0
+
+        def file_done(n: int) -> None:
+            nonlocal done
+            done += n
+            report.update(done)
+
+        try:
+            for task in tasks:
+                run_task(task, file_done)
         finally:
-            if bar is not None:
-                bar.close()
-        if summary.documents == 0:
-            raise DataError(f"inputs {' '.join(inputs)} hold no non-empty document")
-        summary.tokens_dropped = sum(p.pending for p in packers.values())
-        for split in SPLITS:
-            writers[split].finish()
-            summary.shards[split] = len(json.loads((tmp / split / "index.json").read_text())["shards"])
-        if summary.samples["train"] == 0:
-            raise DataError(f"{summary.tokens:,} tokens fill no training sample of {sample_len} tokens")
-        if val_fraction > 0 and summary.samples["val"] == 0:
-            raise DataError(f"no validation sample of {sample_len} tokens came out; raise --val-fraction or add data")
-        summary.seconds = time.perf_counter() - start
-        shutil.copyfile(tokenizer.path, tmp / "tokenizer.model")
-        meta = {
-            "seq_len": seq_len,
-            "sample_len": sample_len,
-            "vocab_size": tokenizer.vocab_size,
-            "eos_id": tokenizer.eos_id,
-            "inputs": list(inputs),
-            "summary": asdict(summary),
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    return summary
-
-
-def _encode(docs: Iterable[str], tokenizer_path: Path, workers: int) -> Iterator[list[int] | np.ndarray]:
-    """Token ids of each document, in input order, from ``workers`` processes (0 = here)."""
-    if workers == 0:
-        tokenizer = Tokenizer(tokenizer_path)
-        for doc in docs:
-            yield tokenizer.encode(doc)
+            report.close()
         return
     # spawn, not fork: the parent may hold threads (tqdm's monitor, streaming's writers).
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_path),)) as pool:
-        # A bounded window of chunks in flight, taken in input order: every worker stays busy
-        # while memory stays flat (Pool.imap would read the whole input ahead).
-        in_flight: deque = deque()
-        for chunk in _chunks(docs, _CHUNK_DOCS):
-            in_flight.append(pool.apply_async(_encode_chunk, (chunk,)))
-            if len(in_flight) >= 4 * workers:
-                yield from in_flight.popleft().get()
-        while in_flight:
-            yield from in_flight.popleft().get()
+    done_bytes = ctx.Value("q", 0)
+    with ctx.Pool(min(workers, len(tasks)), initializer=_init_worker, initargs=(done_bytes,)) as pool:
+        pending = [pool.apply_async(_run_task_in_worker, (task,)) for task in tasks]
+        try:
+            while pending:
+                pending[0].wait(0.5)
+                report.update(done_bytes.value)
+                for result in [r for r in pending if r.ready()]:
+                    result.get()  # a worker's DataError comes out here, one line
+                    pending.remove(result)
+        finally:
+            report.close()
 
 
-_worker_tokenizer: Tokenizer | None = None
+_done_bytes = None
 
 
-def _init_worker(path: str) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = Tokenizer(path)
+def _init_worker(counter) -> None:
+    global _done_bytes
+    _done_bytes = counter
 
 
-def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
-    # int32 arrays travel back to the parent as raw bytes; lists of Python ints pickle ~10x slower.
-    return [np.array(_worker_tokenizer.encode(t), dtype=np.int32) for t in texts]
+def _run_task_in_worker(task: _Task) -> None:
+    def add(n: int) -> None:
+        with _done_bytes.get_lock():
+            _done_bytes.value += n
+
+    run_task(task, add)
 
 
-def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    chunk = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+def run_task(task: _Task, file_done) -> PrepareSummary:
+    """Read, tokenize, pack and write one task's files into its parts; mark it done. `file_done(n)` is
+    called with each input file's size as it is finished."""
+    s, staging, name = task.settings, Path(task.staging), _task_name(task.index)
+    tokenizer = open_tokenizer(task.tokenizer)
+    sample_len = s["seq_len"] + 1
+    summary = PrepareSummary(input_bytes=sum(task.file_bytes))
+    start = time.perf_counter()
+    for split in SPLITS:  # what a killed run of this task left
+        for stale in (staging / split).glob(f".{name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(staging / split / name, ignore_errors=True)
+    tmp = {split: staging / split / f".{name}.tmp-{uuid.uuid4().hex}" for split in SPLITS}
+    writers = {split: open_mds_writer(tmp[split], s["compression"], s["size_limit"]) for split in SPLITS}
+    packers = {split: Packer(sample_len, tokenizer.eos_id) for split in SPLITS}
+    rng = random.Random(f"{s['seed']}/{task.index}")  # a task's split draws: independent of who runs it
+    clock = summary.stage_s
+    try:
+        for path, size in zip(task.files, task.file_bytes):
+            docs = iter(
+                read_documents(
+                    [Path(path)],
+                    text_field=s["text_field"],
+                    text_unit=s["text_unit"],
+                    on_bad_utf8=s["on_bad_utf8"],
+                    stats=summary,
+                )
+            )
+            while True:
+                t0 = time.perf_counter()
+                doc = next(docs, None)
+                t1 = time.perf_counter()
+                clock["read"] += t1 - t0
+                if doc is None:
+                    break
+                tokens = tokenizer.encode(doc)
+                t2 = time.perf_counter()
+                split = "val" if rng.random() < s["val_fraction"] else "train"
+                samples = packers[split].add(tokens)
+                t3 = time.perf_counter()
+                for sample in samples:
+                    write_sample(writers[split], sample)
+                clock["tokenize"] += t2 - t1
+                clock["pack"] += t3 - t2
+                clock["write"] += time.perf_counter() - t3
+                summary.samples[split] += len(samples)
+                summary.tokens += len(tokens) + 1
+                summary.long_documents_split += len(tokens) + 1 > sample_len
+            file_done(size)
+        summary.tokens_dropped = sum(p.pending for p in packers.values())
+        t0 = time.perf_counter()
+        for split in SPLITS:
+            writers[split].finish()
+        clock["write"] += time.perf_counter() - t0
+    except BaseException:
+        for writer in writers.values():
+            writer.cancel_future_jobs()
+        for folder in tmp.values():
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    for split in SPLITS:
+        summary.shards[split] = len(json.loads((tmp[split] / "index.json").read_text())["shards"])
+        os.rename(tmp[split], staging / split / name)
+    summary.seconds = time.perf_counter() - start
+    (staging / DONE).mkdir(exist_ok=True)
+    marker = staging / DONE / f"{name}.json"
+    part = marker.with_name(f".{marker.name}.{uuid.uuid4().hex}")
+    part.write_text(json.dumps({"tokenizer_sha1": _sha1(task.tokenizer), "summary": asdict(summary)}))
+    os.replace(part, marker)  # last: the task is done only once all of it is on disk
+    return summary
 
 
-def _progress_bar(enabled: bool):
-    if not enabled:
+def _sha1(path: str) -> str:
+    return hashlib.sha1(Path(path).read_bytes()).hexdigest()
+
+
+def merge_prepared(
+    out: str | Path, overwrite: bool = False, staging: Path | None = None, seconds: float | None = None
+) -> PrepareSummary | None:
+    """Join the parts of a finished prepare into ``out`` (streaming's index merge, in task order), with
+    the tokenizer and ``meta.json``; None when another process holds the merge. Refuses (DataError)
+    unfinished tasks and parts from another tokenizer."""
+    out = Path(out)
+    staging = staging or out.parent / f".{out.name}.prepare"
+    if not (staging / PLAN).is_file():
+        raise DataError(f"{out}: no prepare to merge ({staging / PLAN} not found)")
+    plan = _read_plan(staging)
+    try:
+        lock = open(staging / MERGE_LOCK, "a")
+    except FileNotFoundError:  # another part merged it just now
         return None
-    from tqdm import tqdm
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        if not (staging / PLAN).is_file():  # another part merged it just now
+            return None
+        check_output(out, overwrite)
+        n_tasks = len(plan["tasks"])
+        missing = sorted(set(range(n_tasks)) - _done_tasks(staging))
+        if missing:
+            raise DataError(
+                f"{out}: {len(missing)} of {n_tasks} tasks are not done (first: {missing[0]}); run the prepare "
+                "again with the same arguments (each --shard-index that owns them) to finish them"
+            )
+        summary = PrepareSummary()
+        for task in range(n_tasks):
+            record = json.loads((staging / DONE / f"{_task_name(task)}.json").read_text())
+            if record["tokenizer_sha1"] != plan["tokenizer"]["sha1"]:
+                raise DataError(f"{out}: task {task} was tokenized with another tokenizer than the plan's")
+            summary.add(PrepareSummary.from_dict(record["summary"]))
+        summary.seconds = seconds if seconds is not None else summary.seconds
+        _check_counts(summary, plan)
+        for split in SPLITS:
+            _merge_index(staging / split, [staging / split / _task_name(t) / "index.json" for t in range(n_tasks)])
+        if _sha1(plan["tokenizer"]["path"]) != plan["tokenizer"]["sha1"]:
+            raise DataError(f"{out}: the tokenizer {plan['tokenizer']['path']} changed since the prepare began")
+        tokenizer = open_tokenizer(copy_tokenizer(open_tokenizer(plan["tokenizer"]["path"]), staging))
+        s = plan["settings"]
+        meta = {
+            "seq_len": s["seq_len"],
+            "sample_len": s["seq_len"] + 1,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "inputs": plan["inputs"],
+            "settings": s,
+            "tasks": n_tasks,
+            "summary": asdict(summary),
+        }
+        (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(staging / DONE)
+        (staging / PLAN).unlink()
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex}"
+        if out.exists():  # overwrite: the old dataset goes only once the new one is whole
+            os.rename(out, old)
+        os.rename(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+        (out / MERGE_LOCK).unlink(missing_ok=True)
+    return summary
 
-    return tqdm(desc="prepare", unit=" tok", unit_scale=True, file=sys.stderr, disable=None)  # None: tty only
+
+def _check_counts(summary: PrepareSummary, plan: dict) -> None:
+    sample_len = plan["settings"]["seq_len"] + 1
+    if summary.documents == 0:
+        raise DataError(f"inputs {' '.join(plan['inputs'])} hold no non-empty document")
+    if summary.samples["train"] == 0:
+        raise DataError(f"{summary.tokens:,} tokens fill no training sample of {sample_len} tokens")
+    if plan["settings"]["val_fraction"] > 0 and summary.samples["val"] == 0:
+        raise DataError(f"no validation sample of {sample_len} tokens came out; raise --val-fraction or add data")
+
+
+def _merge_index(split_dir: Path, part_indexes: list[Path]) -> None:
+    """streaming's merge of the parts' index.json files into split_dir/index.json (quietly)."""
+    from megabam.data.streaming_import import import_streaming
+
+    import_streaming()
+    from streaming.base.util import merge_index
+
+    logging.disable(logging.WARNING)  # it announces its temporary folder on the root logger
+    try:
+        merge_index([str(p) for p in part_indexes], str(split_dir))
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+class _Progress:
+    """Input bytes done of the total, with rate and ETA: a bar on a terminal, a log line every
+    LOG_EVERY_S off one."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.start, self.last_line = total, enabled, time.perf_counter(), 0.0
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="prepare", unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+
+    def update(self, done: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+            return
+        now = time.perf_counter()
+        if now - self.last_line >= LOG_EVERY_S and done:
+            elapsed = now - self.start
+            eta = elapsed * (self.total - done) / done
+            print(
+                f"prepare: {done / 2**20:,.1f} of {self.total / 2**20:,.1f} MiB ({done / max(self.total, 1):.0%}), "
+                f"{done / 2**20 / elapsed:,.2f} MiB/s, ETA {eta / 60:.1f} min",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.last_line = now
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

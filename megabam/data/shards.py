@@ -119,10 +119,18 @@ def read_index(mds_dir: str | os.PathLike) -> dict:
             and len(names) == len(encodings)
         ):
             raise DataError(f"{where}: malformed entry (raw_data, zip_data, samples, column_names, column_encodings)")
-        if "/" in raw["basename"] or raw["basename"].startswith(".") or (zipped and "/" in zipped["basename"]):
-            raise DataError(f"{where}: shard file name {raw['basename']!r} points outside the dataset")
+        for name in (raw["basename"], zipped["basename"] if zipped else "x"):
+            if not _inside(name):
+                raise DataError(f"{where}: shard file name {name!r} points outside the dataset")
         check_columns(f"{where} ({raw['basename']})", names, encodings)
     return index
+
+
+def _inside(basename: str) -> bool:
+    """A shard path within the dataset: a file name, or a part's folder and a file name (streaming's
+    index merge writes ``PART/shard.NNNNN.mds``), no component hidden, empty or parent."""
+    parts = basename.split("/")
+    return len(parts) <= 2 and all(p and not p.startswith(".") and "\\" not in p for p in parts)
 
 
 def verify_shards(mds_dir: str | os.PathLike, hashes: bool = True) -> int:
@@ -175,6 +183,7 @@ def iter_mds_samples(mds_dir: str | os.PathLike, limit: int | None = None) -> It
                 if not shard.get("zip_data"):
                     raise DataError(f"{mds_dir / raw}: shard file missing")
                 data = (mds_dir / shard["zip_data"]["basename"]).read_bytes()
+                (Path(tmp) / raw).parent.mkdir(parents=True, exist_ok=True)
                 (Path(tmp) / raw).write_bytes(decompress(shard["compression"], data))
                 where = Path(tmp)
             reader = reader_from_json(str(where), None, shard)

@@ -1,15 +1,21 @@
-"""Documents from the inputs users bring: text, JSON Lines, gzip/zstd versions, MDS text shards.
+"""Documents from the inputs users bring: text, JSON Lines, gzip/zstd versions, Parquet, Arrow IPC,
+Hugging Face ``datasets`` folders and MDS text shards.
 
 An input spec is a file, a directory (searched recursively for known suffixes) or a glob. Plain
 text files are one document each, or one per line; JSON Lines files hold one document per line
-in a configurable field. An MDS directory (one holding ``index.json``) yields the field of each
-sample. Non-UTF-8 bytes are replaced or refused (``on_bad_utf8``) and counted either way.
+in a configurable field, and so do the rows of Parquet and Arrow files (read a record batch at a
+time: memory is bounded by a batch, not a file). An MDS directory (one holding ``index.json``)
+yields the field of each sample. A ``datasets`` folder (``save_to_disk``'s ``state.json`` /
+``dataset_dict.json``, or a hub download's ``data/`` of Parquet files) yields its data files only
+(its metadata is never read as JSON Lines, its README never as text), of one split where it has
+several. Non-UTF-8 bytes are replaced or refused (``on_bad_utf8``) and counted either way.
 """
 
 import glob
 import gzip
 import io
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +25,13 @@ from megabam.data.errors import DataError
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
+# What `datasets` writes beside its data: never documents.
+HF_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json", "dataset_infos.json")
+# A hub dataset's data files are named SPLIT-00000-of-00004.parquet (or sit in a folder per split).
+HF_SHARD_NAME = re.compile(r"^(?P<split>[A-Za-z0-9_.]+?)-\d{5}-of-\d{5}")
+BATCH_ROWS = 1024  # rows per Arrow record batch read from Parquet: bounded memory, amortised calls
 
 
 @dataclass
@@ -31,10 +44,11 @@ class SourceStats:
     bad_utf8: int = 0
 
 
-def expand_inputs(specs: list[str]) -> list[Path]:
+def expand_inputs(specs: list[str], hf_split: str = "train") -> list[Path]:
     """Files and MDS directories named by ``specs`` (paths, directories, globs), in sorted order.
 
-    Raises DataError when a spec matches nothing or no input remains.
+    A Hugging Face ``datasets`` folder gives its data files in its own order, of split ``hf_split``
+    where it holds several. Raises DataError when a spec matches nothing or no input remains.
     """
     found: list[Path] = []
     for spec in specs:
@@ -43,22 +57,81 @@ def expand_inputs(specs: list[str]) -> list[Path]:
         if not matches:
             raise DataError(f"input {spec!r} does not exist or matches nothing")
         for path in matches:
-            if path.is_dir() and not (path / "index.json").exists():
-                # MDS directories found inside are inputs of their own (their index.json is no JSON Lines).
+            if path.is_dir() and _is_hf_dataset(path):
+                found.extend(_hf_data_files(path, hf_split))
+            elif path.is_dir() and not (path / "index.json").exists():
+                # MDS and `datasets` folders found inside are inputs of their own (an index.json or a
+                # dataset_info.json is no JSON Lines, a dataset card no text document).
                 mds_dirs = {p.parent for p in path.rglob("index.json")}
-                files = sorted(
+                hf_dirs = {p for p in path.rglob("*") if p.is_dir() and _is_hf_dataset(p)}
+                folders = mds_dirs | hf_dirs
+                entries = sorted(
                     p
                     for p in path.rglob("*")
-                    if (p in mds_dirs) or (p.is_file() and _kind(p) is not None and not mds_dirs & set(p.parents))
+                    if (p in folders or (p.is_file() and _kind(p) is not None)) and not folders & set(p.parents)
                 )
+                files = [f for p in entries for f in (_hf_data_files(p, hf_split) if p in hf_dirs else [p])]
                 if not files:
-                    raise DataError(f"input directory {path} holds no .txt/.jsonl files (plain, .gz or .zst)")
+                    raise DataError(
+                        f"input directory {path} holds no .txt/.jsonl (plain, .gz or .zst), .parquet or .arrow files"
+                    )
                 found.extend(files)
             elif path.is_dir() or _kind(path) is not None:
                 found.append(path)
             else:
-                raise DataError(f"input {path}: unknown file kind (expected .txt/.md/.jsonl/.json, plain, .gz or .zst)")
+                raise DataError(
+                    f"input {path}: unknown file kind (expected .txt/.md/.jsonl/.json, plain, .gz or .zst; "
+                    ".parquet; .arrow)"
+                )
     return found
+
+
+def _is_hf_dataset(path: Path) -> bool:
+    """A folder `datasets` wrote (save_to_disk) or a hub dataset's download (README.md beside data/)."""
+    if any((path / name).is_file() for name in ("state.json", "dataset_dict.json")):
+        return True
+    return (path / "README.md").is_file() and (path / "data").is_dir()
+
+
+def _read_json_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: not a JSON object")
+    return data
+
+
+def _hf_data_files(folder: Path, split: str) -> list[Path]:
+    """The data files of a `datasets` folder, in the dataset's own order (split `split` of several)."""
+    if (folder / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: a Dataset folder per split
+        splits = _read_json_file(folder / "dataset_dict.json").get("splits")
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise DataError(f"{folder / 'dataset_dict.json'}: no list of splits")
+        if split not in splits:
+            raise DataError(f"{folder}: no split {split!r} (splits: {', '.join(splits)}; choose one with --hf-split)")
+        return _hf_data_files(folder / split, split)
+    if (folder / "state.json").is_file():  # Dataset.save_to_disk: state.json lists its Arrow files in order
+        files = _read_json_file(folder / "state.json").get("_data_files")
+        if not isinstance(files, list) or not all(isinstance(f, dict) and "filename" in f for f in files):
+            raise DataError(f"{folder / 'state.json'}: no list of data files (_data_files)")
+        paths = [folder / f["filename"] for f in files]
+        for path in paths:
+            if path.parent != folder or not path.is_file():
+                raise DataError(f"{folder / 'state.json'}: names {path.name!r}, which is not a file in {folder}")
+        return paths
+    # A hub download: Parquet/Arrow files under data/, of one split where their names say several.
+    files = sorted(p for p in (folder / "data").rglob("*") if p.is_file() and _kind(p) in ("parquet", "arrow"))
+    if not files:
+        raise DataError(f"{folder}: a Hugging Face dataset folder with no .parquet or .arrow files under data/")
+    named = [HF_SHARD_NAME.match(p.name) for p in files]
+    if not all(named):
+        return files  # files not named by split (FineWeb's data/CC-MAIN-*/000_00000.parquet): all of them
+    splits = sorted({m["split"] for m in named})
+    if split not in splits:
+        raise DataError(f"{folder}: no split {split!r} (splits: {', '.join(splits)}; choose one with --hf-split)")
+    return [p for p, m in zip(files, named) if m["split"] == split]
 
 
 def read_documents(
@@ -83,6 +156,8 @@ def read_documents(
         stats.files += 1
         if path.is_dir():
             raw_docs = _mds_documents(path, text_field)
+        elif _kind(path) in ("parquet", "arrow"):
+            raw_docs = _columnar_documents(path, text_field, stats)
         elif _kind(path) == "jsonl":
             raw_docs = _jsonl_documents(path, text_field, on_bad_utf8, stats)
         else:
@@ -97,6 +172,12 @@ def read_documents(
 
 def _kind(path: Path) -> str | None:
     name = path.name.lower()
+    if name in HF_METADATA:
+        return None
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if name.endswith(ARROW_SUFFIXES):
+        return "arrow"
     for suffix in COMPRESSED_SUFFIXES:
         if name.endswith(suffix):
             name = name[: -len(suffix)]
@@ -159,6 +240,44 @@ def _jsonl_documents(path: Path, field: str, on_bad_utf8: str, stats: SourceStat
                 yield record[field]
         except (OSError, EOFError) as e:
             raise DataError(f"{path}: cannot read ({e})") from None
+
+
+def _record_batches(path: Path, field: str):
+    """(column names, record batches of column `field`) of a Parquet or Arrow IPC file, read lazily."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if _kind(path) == "parquet":
+        f = pq.ParquetFile(path)
+        names = f.schema_arrow.names
+        return names, (f.iter_batches(batch_size=BATCH_ROWS, columns=[field]) if field in names else iter(()))
+    source = pa.memory_map(str(path))  # pages in what a batch touches, never the file at once
+    try:
+        reader = pa.ipc.open_file(source)  # the IPC file format (.arrow / Feather 2)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    except pa.ArrowInvalid:
+        source.seek(0)
+        reader = pa.ipc.open_stream(source)  # the stream format, which `datasets` writes
+        batches = iter(reader)
+    names = reader.schema.names
+    return names, (b.select([field]) for b in batches) if field in names else iter(())
+
+
+def _columnar_documents(path: Path, field: str, stats: SourceStats) -> Iterator[str]:
+    import pyarrow as pa
+
+    try:
+        names, batches = _record_batches(path, field)
+        if field not in names:
+            raise DataError(f"{path}: no column {field!r} (columns: {', '.join(names) or 'none'}; set it with --field)")
+        for batch in batches:
+            column = batch.column(0)
+            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+                raise DataError(f"{path}: column {field!r} holds {column.type}, not text")
+            for text in column.to_pylist():
+                yield text or ""  # a null is an empty document: skipped and counted
+    except (pa.ArrowException, OSError) as e:  # corrupt or truncated file
+        raise DataError(f"{path}: cannot read as {_kind(path)} ({str(e).splitlines()[0]})") from None
 
 
 def _mds_documents(path: Path, field: str) -> Iterator[str]:

@@ -1,13 +1,12 @@
 """`megabam data synth`: a prepared dataset of synthetic retrieval samples, for training mixtures.
 
 Each sample is one whole document (prompt, answer, eos) of exactly ``seq_len + 1`` tokens, in the
-same layout as ``prepare`` writes (train/, val/, tokenizer.model, meta.json), so it can be named as
+same layout as ``prepare`` writes (train/, val/, the tokenizer, meta.json), so it can be named as
 a stream of a mixture next to text datasets.
 """
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ from megabam.data.output_dir import staged_output
 from megabam.data.packing import PackedSample
 from megabam.data.passkey import passkey_training_tokens
 from megabam.data.shards import open_mds_writer, write_sample
-from megabam.data.tokenizer import Tokenizer, load_tokenizer
+from megabam.data.tokenizer import Tokenizer, copy_tokenizer, load_tokenizer
 
 KINDS = ("passkey", *(f"niah_{v}" for v in VARIANTS))
 
@@ -70,7 +69,7 @@ def write_synthetic_dataset(
                     raise DataError(f"{kind} at seq_len {seq_len}: {e}") from None
                 write_sample(writer, PackedSample(np.array(tokens, dtype=np.int32), np.zeros(1, dtype=np.int32)))
             writer.finish()
-        shutil.copyfile(tokenizer.path, tmp / "tokenizer.model")
+        copy_tokenizer(tokenizer, tmp)
         meta = {
             "seq_len": seq_len,
             "sample_len": seq_len + 1,

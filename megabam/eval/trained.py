@@ -12,7 +12,7 @@ import torch
 
 from megabam.config import Config
 from megabam.convert.reader import CheckpointReader
-from megabam.data.tokenizer import Tokenizer
+from megabam.data.tokenizer import Tokenizer, open_tokenizer
 from megabam.model import Decoder
 from megabam.train.checkpoint import CheckpointError, CheckpointMeta, tag_for
 
@@ -42,8 +42,10 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu") -> Traine
         folder = read_consolidated(Path(path)) if is_consolidated(Path(path)) else read_export(Path(path))
         model, config, meta, tokenizer = folder.model, folder.config, folder.meta, folder.tokenizer
         checkpoint = run_dir = Path(path)
-        if not tokenizer.is_file():  # a model imported without one (from-hf of a bare Llama)
-            raise CheckpointError(f"{path}: has no tokenizer.model, which evaluation needs")
+        if tokenizer is None:  # a model imported without one (from-hf of a bare Llama)
+            raise CheckpointError(
+                f"{path}: has no tokenizer (tokenizer.model or tokenizer.json), which evaluation needs"
+            )
     else:
         reader = CheckpointReader(path)
         config, meta, checkpoint, run_dir = reader.config, reader.meta, reader.path, reader.run_dir
@@ -51,4 +53,4 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu") -> Traine
         reader.check()
         model = Decoder(config.model)
         model.load_state_dict(reader.state_dict())
-    return Trained(model.float().to(device).eval(), Tokenizer(tokenizer), config, meta, checkpoint, run_dir)
+    return Trained(model.float().to(device).eval(), open_tokenizer(tokenizer), config, meta, checkpoint, run_dir)

@@ -3,6 +3,7 @@ world of processes for conversions."""
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import sys
@@ -74,11 +75,15 @@ def _build_deepspeed_cpu_op() -> None:
 
 
 def default_extensions_dir() -> Path:
-    """megabam's folder for DeepSpeed's JIT-built ops, one per Python, torch and DeepSpeed version:
-    torch's default is shared by every environment of one Python, which then rebuild it in turn."""
+    """megabam's folder for DeepSpeed's JIT-built ops, one per environment (Python, torch and DeepSpeed
+    versions, and where the environment lives): torch's default is shared by every environment of one
+    Python, which then rebuild it in turn — two checkouts' venvs with the same versions too, since the
+    op's sources are paths inside each venv (seen with two copies of the test suite running at once:
+    each start of one rebuilt the op the other had just built)."""
     cache = Path(os.environ.get("MEGABAM_CACHE") or "~/.cache/megabam").expanduser()
     python = f"py{sys.version_info.major}.{sys.version_info.minor}"
-    return cache / "torch_extensions" / f"{python}-torch{torch.__version__}-deepspeed{deepspeed.__version__}"
+    env = hashlib.sha1(str(Path(sys.prefix).resolve()).encode()).hexdigest()[:8]
+    return cache / "torch_extensions" / f"{python}-torch{torch.__version__}-deepspeed{deepspeed.__version__}-{env}"
 
 
 @contextlib.contextmanager

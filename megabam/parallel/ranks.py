@@ -19,6 +19,7 @@ for ever on their own loopback.
 import argparse
 import ipaddress
 import os
+import random
 import re
 import shutil
 import socket
@@ -30,6 +31,7 @@ from megabam.config import ConfigError
 
 TORCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 PORT_BASE, PORT_SPAN = 20000, 10000  # below Linux's ephemeral range (32768-60999), where clients bind
+FREE_PORTS = range(10000, PORT_BASE)  # free_port's: below the job ports, also out of the ephemeral range
 
 
 def job_port(job_id: str) -> int:
@@ -167,10 +169,21 @@ def check_reachable(addr: str, rank: int, world: int, local_world: int) -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that no process is listening on (at the time of asking)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port on `host` that no process is listening on (at the time of asking), drawn at random
+    from FREE_PORTS. Not the kernel's pick (bind to port 0): that comes from the ephemeral range, where
+    every outgoing connection on the machine takes its local port, so between this call releasing the
+    port and the rendezvous binding it a connection of another job could take it (two copies of the
+    test suite on one machine make hundreds of connections a minute)."""
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(FREE_PORTS.start, FREE_PORTS.stop)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # in use
+                continue
+            return port
+    raise OSError(f"no free TCP port on {host or 'any address'} in {FREE_PORTS.start}-{FREE_PORTS.stop - 1}")
 
 
 def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:

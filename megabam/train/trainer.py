@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,15 @@ from megabam.config.schema import expand_pattern
 from megabam.data.errors import DataError
 from megabam.data.loader import build_loader
 from megabam.data.passkey import passkey_sample
-from megabam.data.tokenizer import Tokenizer
+from megabam.data.tokenizer import (
+    HF_CONFIG,
+    TOKENIZER_FILES,
+    Tokenizer,
+    copy_tokenizer,
+    open_tokenizer,
+    same_tokenizer,
+    tokenizer_in,
+)
 from megabam.data.training_data import build_training_data
 from megabam.eval.figures import heatmap
 from megabam.eval.passkey import passkey_accuracy, passkey_grid
@@ -103,10 +110,11 @@ class AlreadyComplete(Exception):
         self.summary = summary
 
 
-def completed_summary(run_dir: Path, steps: int) -> Summary | None:
-    """The stored summary of a run in `run_dir` that finished at `steps` (its newest checkpoint at that
-    step and its summary written after it), else None."""
-    path = run_dir / SUMMARY_FILE
+def completed_summary(run_dir: Path, cfg: Config) -> Summary | None:
+    """The stored summary of a run in `run_dir` that finished at train.steps (its newest checkpoint at
+    that step and its summary written after it), else None. A config change the run cannot take is
+    refused (ConfigError) as a resume would refuse it."""
+    path, steps = run_dir / SUMMARY_FILE, cfg.train.steps
     tags = checkpoint.list_tags(run_dir)
     if not path.is_file() or not tags or tags[0] != checkpoint.tag_for(steps):
         return None
@@ -114,7 +122,22 @@ def completed_summary(run_dir: Path, steps: int) -> Summary | None:
         summary = Summary.read(path)
     except (ValueError, TypeError, KeyError, AttributeError):  # unreadable: finish the run again
         return None
-    return summary if summary.steps == steps else None
+    try:
+        saved = checkpoint.read_meta(run_dir, tags[0])
+    except (OSError, ValueError):  # a damaged checkpoint: the resume path reports it and falls back
+        return None
+    if summary.steps != steps:
+        return None
+    _allowed_changes(saved.config, cfg, checkpoint.checkpoint_root(run_dir) / tags[0])
+    return summary
+
+
+def _allowed_changes(saved: dict, cfg: Config, where: Path) -> list[str]:
+    """The config changes from a checkpoint's config that a resume takes; ConfigError naming the others."""
+    refused, accepted = config_changes(saved, asdict(cfg))
+    if refused:
+        raise ConfigError("<resume>", "config", f"cannot resume {where} with changed " + "; ".join(refused))
+    return accepted
 
 
 @dataclass
@@ -146,7 +169,7 @@ class StepResult:
 FINAL_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]  # needle depths of the end-of-training passkey grid
 # What megabam writes into a run directory before its first checkpoint: a directory holding only
 # these (and no checkpoint) is a start that failed early, and is restarted from step 0.
-START_FILES = {"config.yaml", "tokenizer.model", "metrics.jsonl", "loss.png", "wandb", "checkpoints"}
+START_FILES = {"config.yaml", "metrics.jsonl", "loss.png", "wandb", "checkpoints", *TOKENIZER_FILES, HF_CONFIG}
 
 
 def _only_start_files(path: Path) -> bool:
@@ -193,8 +216,8 @@ def choose_run_directory(cfg: Config, fresh: bool, resume: bool, lock: bool) -> 
 
 def _check_init_tokenizer(folder: Path, tokenizer: Path) -> None:
     """A run started from a folder's weights must read data tokenized as that model was trained."""
-    theirs = folder / "tokenizer.model"
-    if theirs.is_file() and theirs.read_bytes() != Path(tokenizer).read_bytes():
+    theirs = tokenizer_in(folder)
+    if theirs is not None and not same_tokenizer(theirs, Path(tokenizer)):
         raise ConfigError(
             "<train.init_from>",
             "train.init_from",
@@ -214,11 +237,11 @@ class Trainer:
         dist.barrier()  # every rank has chosen the directory before rank 0 writes into it
 
         data = build_training_data(cfg, self.rank)
-        self.tokenizer = Tokenizer(data.tokenizer_path)
+        self.tokenizer = open_tokenizer(data.tokenizer_path)
         self.passkey_lengths = cfg.eval.passkey_lengths or [cfg.data.seq_len]
         _check_passkey_lengths(self.tokenizer, self.passkey_lengths if cfg.eval.passkey_samples else [])
         if cfg.train.init_from and not resuming:
-            _check_init_tokenizer(Path(cfg.train.init_from), data.tokenizer_path)
+            _check_init_tokenizer(Path(cfg.train.init_from), self.tokenizer.path)
         self.engine = build_engine(cfg, self.topology)
         if cfg.train.init_from and not resuming:
             log.info(f"weights from {cfg.train.init_from}; the optimizer, schedule and data start fresh")
@@ -266,7 +289,7 @@ class Trainer:
         if self.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.yaml")
-            shutil.copyfile(data.tokenizer_path, run_dir / "tokenizer.model")
+            copy_tokenizer(self.tokenizer, run_dir)
             _truncate_metrics(run_dir / "metrics.jsonl", self.progress.step)
         dist.barrier()
         self.logger = RunLogger(cfg, run_dir, self.progress.step, wandb_id, enabled=self.rank == 0)
@@ -290,12 +313,7 @@ class Trainer:
                     f"{root / tag}: the checkpoint is at step {saved.step}, beyond train.steps={self.cfg.train.steps}; "
                     "nothing to do (raise train.steps to train on)"
                 )
-            refused, accepted = config_changes(saved.config, asdict(self.cfg))
-            if refused:
-                raise ConfigError(
-                    "<resume>", "config", f"cannot resume {root / tag} with changed " + "; ".join(refused)
-                )
-            for line in accepted:
+            for line in _allowed_changes(saved.config, self.cfg, root / tag):
                 log.info(f"resume: accepted config change {line}")
             t0 = time.perf_counter()
             try:
@@ -478,7 +496,7 @@ class Trainer:
             loader=self.train_loader.state_dict(),
             config=asdict(cfg),
             skipped_steps=p.skipped_steps,
-            tokenizer=str(self.run_dir / "tokenizer.model"),
+            tokenizer=str(self.run_dir / self.tokenizer.file_name),
             wandb_id=self.logger.wandb_id,
             window_sampler=self.sampler.state_dict() if self.sampler is not None else None,
         )
@@ -558,7 +576,7 @@ def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
     setup_logging(rank)
     run_dir, resuming, lock = choose_run_directory(cfg, fresh, resume, lock=rank == 0)
     try:
-        done = completed_summary(run_dir, cfg.train.steps) if resuming else None
+        done = completed_summary(run_dir, cfg) if resuming else None
         if done is not None:  # every rank reads the same files, so every rank stops here
             raise AlreadyComplete(done)
         trainer = Trainer(cfg, run_dir, resuming)

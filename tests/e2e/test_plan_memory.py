@@ -25,7 +25,9 @@ CASES = [
 
 @pytest.mark.parametrize("config, overrides", CASES, ids=[f"{c.stem}-{'-'.join(o)}" for c, o in CASES])
 def test_predicted_peak_memory_is_within_15_percent_of_the_measured(tmp_path, data_cache, config, overrides):
-    run = ["run.name=m", "train.steps=3", "logging.track_memory=true", *overrides]
+    # no validation: the planner sizes a training step, and at 512 tokens the default data's 15
+    # validation samples are fewer than a micro-batch of 16 (refused at start with validation on)
+    run = ["run.name=m", "train.steps=3", "logging.track_memory=true", "train.eval_batches=0", *overrides]
     megabam_train(tmp_path, data_cache, *run, config=config)
     rows = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
     (row,) = [r for r in rows if "peak_memory_mib" in r]

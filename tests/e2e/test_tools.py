@@ -93,3 +93,16 @@ def test_cpu_fused_benchmark_runs_its_table():
         line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "op |" not in line
     ]
     assert [r.split(" (")[0] for r in rows] == ["RMS norm", "SwiGLU product", "rotary embedding"]
+
+
+def test_prepare_benchmark_runs_its_tables():
+    """tools/bench_prepare.py: 1 and 2 workers beside the tokenizer alone, the stage split and the
+    memory rows, on a tiny Parquet corpus."""
+    cmd = [sys.executable, "tools/bench_prepare.py", "--corpus-mb", "0.4", "--rounds", "1", "--vocab-size", "400"]
+    cmd += ["--seq-len", "63", "--task-size", "20kb", "--val-fraction", "0"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
+    for row in ("prepare --workers 1", "prepare --workers 2", "tokenizer encode alone (in memory)", "tokenize"):
+        assert row in rows, done.stdout
+    assert "h per 100 GiB of text" in done.stdout and "full corpus" in rows

@@ -64,7 +64,7 @@ def test_trainer_refuses_a_bit_flipped_local_shard_when_asked_to_hash(tmp_path):
     train_tokenizer(python_stdlib_documents(200_000), tok, vocab_size=400)
     (tmp_path / "in.txt").write_text("\n".join(f"line {i} of some text" for i in range(400)))
     prepare_dataset([str(tmp_path / "in.txt")], tmp_path / "ds", tok, 31, text_unit="line", workers=0, val_fraction=0.1)
-    shard = sorted((tmp_path / "ds" / "train").glob("shard.*"))[0]
+    shard = sorted((tmp_path / "ds" / "train").rglob("shard.*"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one byte changed
     shard.write_bytes(bytes(data))

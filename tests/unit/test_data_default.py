@@ -20,7 +20,7 @@ from megabam.data.packing import doc_ids_from_starts, pack_documents
 from megabam.data.passkey import passkey_sample, passkey_training_tokens, random_key
 from megabam.data.shards import write_mds
 from megabam.data.streaming_import import import_streaming
-from megabam.data.tokenizer import Tokenizer, train_tokenizer
+from megabam.data.tokenizer import open_tokenizer, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,7 +93,7 @@ def test_tokenizer_round_trips_and_has_exact_vocab(tokenizer, tmp_path):
     assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (0, 2, 3)
     text = python_stdlib_documents(400_000)[-1] + "\n\tünïcode ✓ 中文  trailing  \n"
     assert tokenizer.decode(tokenizer.encode(text)) == text
-    reloaded = Tokenizer(tokenizer.path)
+    reloaded = open_tokenizer(tokenizer.path)
     assert reloaded.encode(text) == tokenizer.encode(text)
     assert sorted(os.listdir(tokenizer.path.parent)) == [tokenizer.path.name]  # no temp files left
 
@@ -217,7 +217,7 @@ BUILD_ARGS = dict(
 def test_build_default_dataset_and_cache(tmp_path):
     ds = build_default_dataset(tmp_path, **BUILD_ARGS)
     assert (ds.train_dir / "index.json").exists() and (ds.val_dir / "index.json").exists()
-    tok = Tokenizer(ds.tokenizer_path)
+    tok = open_tokenizer(ds.tokenizer_path)
     assert tok.vocab_size == 512
     assert [p.name for p in tmp_path.iterdir()] == [ds.train_dir.parent.name]  # no temp dirs
 

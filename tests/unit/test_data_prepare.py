@@ -17,10 +17,11 @@ from megabam.data.inspect_data import inspect_dataset
 from megabam.data.mixture import StreamSpec, check_streams
 from megabam.data.niah import niah_sample
 from megabam.data.prepare import prepare_dataset
+from megabam.data.shards import iter_mds_samples
 from megabam.data.sources import expand_inputs, read_documents
 from megabam.data.streaming_import import import_streaming
 from megabam.data.synth import synthetic_tokens
-from megabam.data.tokenizer import Tokenizer, train_tokenizer
+from megabam.data.tokenizer import open_tokenizer, train_tokenizer
 from megabam.data.training_data import prepared_mixture
 
 
@@ -100,6 +101,179 @@ def test_mds_text_shards_are_an_input(tmp_path):
         list(read_documents(expand_inputs([str(tmp_path / "mds")]), text_field="body"))
 
 
+def prepared_samples(out):
+    """Every sample's tokens and document starts of a prepared dataset, by split, in order."""
+    return {
+        split: [(s["tokens"].tolist(), s["doc_starts"].tolist()) for s in iter_mds_samples(out / split)]
+        for split in ("train", "val")
+    }
+
+
+def test_parquet_arrow_and_datasets_folders_give_the_jsonl_token_stream(tmp_path, tok_path, capsys):
+    """The same documents as Parquet (several row groups), Arrow IPC (file and stream format), a folder
+    `datasets` saved (several Arrow files; its JSON metadata beside them) and a hub download (README.md,
+    data/SPLIT-0000x-of-0000n.parquet) prepare to the samples their JSON Lines form gives; only the
+    asked split of a folder holding several is read."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts, other = random_texts(random.Random(7), 300, 40), random_texts(random.Random(8), 50, 40)
+    table = pa.table({"id": list(range(len(texts))), "text": texts})
+    write_jsonl(tmp_path / "ref.jsonl", texts)
+    pq.write_table(table, tmp_path / "docs.parquet", row_group_size=37)
+    with pa.ipc.new_file(tmp_path / "docs.arrow", table.schema) as w:
+        for batch in table.to_batches(max_chunksize=41):
+            w.write_batch(batch)
+    with pa.ipc.new_stream(tmp_path / "stream.arrow", table.schema) as w:
+        w.write_table(table, max_chunksize=41)
+    saved = datasets.Dataset.from_dict({"text": texts})
+    saved.save_to_disk(tmp_path / "saved", num_shards=3)
+    datasets.DatasetDict({"train": saved, "test": datasets.Dataset.from_dict({"text": other})}).save_to_disk(
+        tmp_path / "dict"
+    )
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("---\nlicense: mit\n---\n# a dataset card, not a document\n")
+    pq.write_table(table.slice(0, 120), hub / "data" / "train-00000-of-00002.parquet")
+    pq.write_table(table.slice(120), hub / "data" / "train-00001-of-00002.parquet")
+    pq.write_table(pa.table({"text": other}), hub / "data" / "test-00000-of-00001.parquet")
+    assert (tmp_path / "saved" / "dataset_info.json").is_file() and len(list((tmp_path / "saved").glob("*.arrow"))) == 3
+
+    def prepare(source, *extra):
+        out = tmp_path / f"out-{source}-{len(extra)}"
+        args = ["data", "prepare", tmp_path / source, "--out", out, "--tokenizer", tok_path, "--seq-len", 31]
+        code, _, err = run_cli(capsys, *args, "--val-fraction", 0.1, "--workers", 0, "--no-progress", *extra)
+        assert code == 0, err
+        return prepared_samples(out)
+
+    reference = prepare("ref.jsonl")
+    assert len(reference["train"]) > 20 and len(reference["val"]) > 0
+    for source in ("docs.parquet", "docs.arrow", "stream.arrow", "saved", "dict", "hub"):
+        assert prepare(source) == reference, source
+    write_jsonl(tmp_path / "test.jsonl", other)
+    test_split = prepare("test.jsonl")
+    assert prepare("dict", "--hf-split", "test") == test_split != reference
+    assert prepare("hub", "--hf-split", "test") == test_split
+    assert list(read_documents(expand_inputs([str(tmp_path / "hub"), str(tmp_path / "dict")]))) == texts + texts
+    assert list(read_documents(expand_inputs([str(tmp_path / "hub")], hf_split="test"))) == other
+
+
+def test_columnar_inputs_refuse_a_missing_column_a_corrupt_file_and_a_missing_split(tmp_path, tok_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["a b c"] * 10, "id": list(range(10))}), tmp_path / "a.parquet")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1" + os.urandom(200))
+    pq.write_table(pa.table({"text": list(range(10))}), tmp_path / "ints.parquet")
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("card")
+    pq.write_table(pa.table({"text": ["x"]}), hub / "data" / "train-00000-of-00001.parquet")
+    base = ["--out", tmp_path / "out", "--tokenizer", tok_path, "--seq-len", 31, "--no-progress"]
+    for source, extra, fragments in [
+        ("a.parquet", [], ["a.parquet", "no column 'text' (columns: content, id; set it with --field)"]),
+        ("bad.parquet", [], ["bad.parquet", "cannot read as parquet"]),
+        ("ints.parquet", [], ["ints.parquet", "column 'text' holds int64, not text"]),
+        ("hub", ["--hf-split", "validation"], [str(hub), "no split 'validation' (splits: train;"]),
+    ]:
+        code, _, err = run_cli(capsys, "data", "prepare", tmp_path / source, *base, *extra)
+        assert_one_line_error(code, err, *fragments)
+        assert not (tmp_path / "out").exists()
+    code, out, err = run_cli(
+        capsys, "data", "prepare", tmp_path / "a.parquet", *base, "--field", "content", "--val-fraction", 0
+    )
+    assert code == 0 and "documents        10 " in out, err
+
+
+def test_a_tokenizer_json_converted_from_a_sentencepiece_model_tokenizes_alike(tmp_path, tok_path, capsys):
+    """transformers' conversion of the sentencepiece model (megabam's export writes it) read back through
+    the tokenizers library as a save_pretrained folder and as a bare tokenizer.json: the same ids for every
+    text, the same special tokens, the same prepared samples; the output carries tokenizer.json and its
+    config, and inspect decodes with it."""
+    from megabam.convert.hf_export import write_tokenizer
+    from megabam.data.tokenizer import HFTokenizer, load_tokenizer
+
+    sp = open_tokenizer(tok_path)
+    write_tokenizer(sp, tmp_path / "folder")
+    (tmp_path / "folder" / "tokenizer.model").unlink()  # else the folder's sentencepiece model is read
+    folder = load_tokenizer(tmp_path / "folder", expected_vocab_size=512)
+    assert isinstance(folder, HFTokenizer) and folder.path == tmp_path / "folder" / "tokenizer.json"
+    texts = random_texts(random.Random(11), 200, 30) + python_stdlib_documents(60_000)[:40] + ["", " 12345 ", "\t\n"]
+    assert [folder.encode(t) for t in texts] == [sp.encode(t) for t in texts]
+    assert [folder.decode(sp.encode(t)) for t in texts] == [sp.decode(sp.encode(t)) for t in texts]
+    assert (folder.vocab_size, folder.pad_id, folder.bos_id, folder.eos_id) == (512, sp.pad_id, sp.bos_id, sp.eos_id)
+    write_jsonl(tmp_path / "in.jsonl", texts)
+    for name, tokenizer in [("sp", tok_path), ("folder", tmp_path / "folder"), ("json", folder.path)]:
+        args = ["data", "prepare", tmp_path / "in.jsonl", "--out", tmp_path / f"out-{name}", "--tokenizer", tokenizer]
+        code, _, err = run_cli(capsys, *args, "--seq-len", 31, "--val-fraction", 0.1, "--no-progress")
+        assert code == 0, err
+    assert (
+        prepared_samples(tmp_path / "out-folder")
+        == prepared_samples(tmp_path / "out-json")
+        == prepared_samples(tmp_path / "out-sp")
+    )
+    assert listing(tmp_path / "out-json") == ["meta.json", "tokenizer.json", "tokenizer_config.json", "train", "val"]
+    code, out, _ = run_cli(capsys, "data", "inspect", tmp_path / "out-json", "--samples", 1)
+    assert code == 0 and "sample 0" in out
+    code, out, _ = run_cli(capsys, "data", "tokenizer", "--load", tmp_path / "out-json" / "tokenizer.json")
+    assert code == 0 and out.strip().endswith(f"512 pieces, pad {sp.pad_id}, bos {sp.bos_id}, eos {sp.eos_id}")
+
+
+def test_a_llama_3_style_tokenizer_json_alone_gives_exact_length_passkey_and_needle_prompts(tmp_path):
+    """A bare tokenizer.json (no config beside it): bos from its post-processor's template, eos from
+    its special tokens. Prompts are joined from separately encoded pieces, so their lengths are exact
+    whatever the tokenizer; the key is tokenized as the tokenizer does (here digit by digit: three-digit
+    groups need merges this small vocabulary lacks) and the answer decodes back to it."""
+    from helpers.hf_tokenizer import BOS, EOS, write_hf_tokenizer
+
+    from megabam.data.passkey import passkey_sample
+    from megabam.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(write_hf_tokenizer(tmp_path / "llama3" / "tokenizer.json"))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (tok._tok.token_to_id(BOS), tok._tok.token_to_id(EOS), None)
+    for n in (300, 701, 1500):
+        for depth in (0.0, 0.5, 1.0):
+            sample = passkey_sample(tok, n, depth, "40713")
+            assert len(sample.prompt_ids) == n and tok.decode(sample.answer_ids) == " 40713"
+            assert "The pass key is 40713. Remember it." in tok.decode(sample.prompt_ids)
+        needle = niah_sample(tok, n, 0.5, "single_1", random.Random(0))
+        assert len(needle.prompt_ids) == n
+    assert tok.config_for_copy() == {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS}
+
+
+@pytest.mark.parametrize(
+    "name, make, fragments",
+    [
+        ("tok", lambda p: p.mkdir(), ["a folder without tokenizer.model or tokenizer.json"]),
+        ("tokenizer.json", lambda p: p.write_text("{not json"), ["is not a Hugging Face tokenizer.json"]),
+        ("tok.model", lambda p: p.write_bytes(os.urandom(300)), ["is not a sentencepiece model"]),
+        (None, None, ["meta-llama/Llama-3.1-8B", "not a local path (a hub id?)", "nothing is downloaded"]),
+    ],
+    ids=["empty-folder", "bad-json", "bad-model", "hub-id"],
+)
+def test_tokenizers_that_cannot_be_used_are_one_line_errors(tmp_path, capsys, name, make, fragments):
+    (tmp_path / "in.txt").write_text("some text " * 100)
+    tokenizer = "meta-llama/Llama-3.1-8B" if name is None else tmp_path / name
+    if make is not None:
+        make(tokenizer)
+    args = ["data", "prepare", tmp_path / "in.txt", "--out", tmp_path / "out", "--tokenizer", tokenizer]
+    code, _, err = run_cli(capsys, *args, "--seq-len", 15)
+    assert_one_line_error(code, err, *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_json_without_an_end_of_sequence_token_is_refused(tmp_path):
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models
+
+    from megabam.data.tokenizer import load_tokenizer
+
+    RustTokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).save(str(tmp_path / "t.json"))
+    with pytest.raises(DataError, match=r"t.json: no end-of-sequence token .* give its save_pretrained folder"):
+        load_tokenizer(tmp_path / "t.json")
+
+
 def test_bad_utf8_fails_or_is_replaced_and_counted(tmp_path, tok_path, capsys):
     (tmp_path / "bad.txt").write_bytes(b"good line\nbad \xff\xfe byte\n")
     (tmp_path / "good.txt").write_text("fine text " * 400)
@@ -163,11 +337,12 @@ def test_prepare_packs_every_token_once_with_boundaries(tmp_path, tok_path):
         seed=seed,
         compression=None,
         size_limit=2000,
-    )
+    ).summary
 
-    # Independent reference: per-document encoding, the same seeded split, plain concatenation.
-    tok = Tokenizer(tok_path)
-    split_rng = random.Random(seed)
+    # Independent reference: per-document encoding, the same seeded split (one task here: the inputs
+    # are far under --task-size; its draws are random.Random("SEED/TASK")), plain concatenation.
+    tok = open_tokenizer(tok_path)
+    split_rng = random.Random(f"{seed}/0")
     streams = {"train": ([], []), "val": ([], [])}  # tokens, document begin offsets
     for text in texts:
         ids = tok.encode(text)
@@ -301,7 +476,7 @@ def write_prepared(tmp_path, tok_path, name="ds", seq_len=15):
 
 def test_corrupted_and_truncated_shards_are_refused(tmp_path, tok_path, capsys):
     ds = write_prepared(tmp_path, tok_path)
-    shard = sorted((ds / "train").glob("shard.*"))[1]
+    shard = sorted((ds / "train").rglob("shard.*"))[1]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x55
     shard.write_bytes(bytes(data))
@@ -364,7 +539,7 @@ def test_tokenizer_command_trains_with_special_tokens(tmp_path, capsys):
         "<|user|>",
     )
     assert code == 0 and "400 pieces (unigram)" in out
-    tok = Tokenizer(tmp_path / "t.model")
+    tok = open_tokenizer(tmp_path / "t.model")
     assert tok.vocab_size == 400 and tok.eos_id == 3
     ids = tok.encode("a<|sep|>b<|user|>")
     assert [tok.decode([i]) for i in ids if tok.decode([i]).startswith("<|")] == ["<|sep|>", "<|user|>"]
@@ -386,7 +561,7 @@ def test_data_help(command, capsys):
 
 @pytest.mark.parametrize("variant", ["single_1", "single_2", "single_3"])
 def test_niah_sample_places_needle_at_depth(tok_path, variant):
-    tok = Tokenizer(tok_path)
+    tok = open_tokenizer(tok_path)
     for depth in (0.0, 0.4, 1.0):
         s = niah_sample(tok, 1500, depth, variant, random.Random(7), essay="An essay sentence. " * 50)
         assert len(s.prompt_ids) == 1500
@@ -401,7 +576,7 @@ def test_niah_sample_places_needle_at_depth(tok_path, variant):
 
 
 def test_synth_writes_a_mixable_dataset(tmp_path, tok_path, capsys):
-    tok = Tokenizer(tok_path)
+    tok = open_tokenizer(tok_path)
     for kind in ("passkey", "niah_single_1", "niah_single_3"):
         assert len(synthetic_tokens(kind, tok, 300, random.Random(1))) == 300
     code, out, _ = run_cli(

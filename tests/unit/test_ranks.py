@@ -6,7 +6,7 @@ import socket
 import pytest
 
 from megabam.config import ConfigError
-from megabam.parallel.ranks import job_port, launch_environment, launcher_of, tasks_on_node
+from megabam.parallel.ranks import free_port, job_port, launch_environment, launcher_of, tasks_on_node
 
 TORCH = dict(
     RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="10.0.0.7", MASTER_PORT="29400"
@@ -88,6 +88,25 @@ def test_slurm_tasks_per_node_lists_are_read_per_node():
 def test_job_ports_differ_between_jobs_and_stay_out_of_the_ephemeral_range():
     ports = {job_port(str(i)) for i in range(1000, 1100)}
     assert len(ports) == 100 and max(ports) < 32768 and min(ports) >= 1024
+
+
+def test_free_ports_come_from_outside_the_ephemeral_range_and_skip_ports_in_use(monkeypatch):
+    """A port from the ephemeral range, released and bound again later by the rendezvous, can meanwhile
+    become the local port of another job's outgoing connection; free_port draws below that range,
+    away from the job ports, and skips a port something listens on."""
+    from megabam.parallel import ranks
+
+    ports = [free_port() for _ in range(50)]
+    assert all(
+        ranks.FREE_PORTS.start <= p < ranks.PORT_BASE < ranks.PORT_BASE + ranks.PORT_SPAN <= 32768 for p in ports
+    )
+    assert len(set(ports)) > 40
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", ports[0]))
+        held.listen()
+        draws = iter([ports[0], ports[1]])
+        monkeypatch.setattr(ranks.random.SystemRandom, "randrange", lambda self, a, b: next(draws))
+        assert free_port() == ports[1]
 
 
 @pytest.mark.parametrize("addr", ["127.0.0.1", "localhost", "::1"])

@@ -1,0 +1,155 @@
+"""`megabam data prepare` in tasks: any number of workers, or shards on several nodes merged, gives the
+same dataset sample for sample; parts from another plan or tokenizer are refused; progress in bytes."""
+
+import json
+import random
+
+import pytest
+
+from megabam.cli import main
+from megabam.data import prepare as prepare_module
+from megabam.data.corpus import python_stdlib_documents
+from megabam.data.prepare import prepare_dataset
+from megabam.data.shards import iter_mds_samples
+from megabam.data.tokenizer import open_tokenizer, train_tokenizer
+
+TASK = 12_000  # --task-size: tasks of one or two files
+WORDS = ["alpha", "beta", "gamma", "delta", "x = 12", "def f():", "ünïcode", "\n", "    return"]
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "sp.model"
+    train_tokenizer(python_stdlib_documents(300_000), path, vocab_size=512)
+    return path
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """Seven JSON Lines files of ~4-12 KB."""
+    rng = random.Random(21)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i in range(7):
+        docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 50))) for _ in range(rng.randrange(30, 60))]
+        (folder / f"part{i}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return folder
+
+
+def prepare(capsys, corpus, out, tok_path, *extra):
+    cmd = ["data", "prepare", corpus, "--out", out, "--tokenizer", tok_path, "--seq-len", 31]
+    cmd += ["--val-fraction", 0.2, "--task-size", TASK, "--no-progress", *extra]
+    code = main([str(a) for a in cmd])
+    out_text, err = capsys.readouterr()
+    return code, out_text, err
+
+
+def samples(out):
+    return {
+        split: [(s["tokens"].tolist(), s["doc_starts"].tolist()) for s in iter_mds_samples(out / split)]
+        for split in ("train", "val")
+    }
+
+
+def task_files(corpus):
+    """The inputs cut into tasks as the module documents: consecutive files until TASK bytes."""
+    tasks, current, size = [], [], 0
+    for f in sorted(corpus.iterdir()):
+        current.append(f)
+        size += f.stat().st_size
+        if size >= TASK:
+            tasks.append(current)
+            current, size = [], 0
+    return tasks + ([current] if current else [])
+
+
+def expected_samples(corpus, tok_path):
+    """Each task (its files in order) a stream of documents split by random.Random("SEED/TASK"), eos
+    after each, cut into 32-token samples; the tasks' samples in task order."""
+    tok = open_tokenizer(tok_path)
+    expected = {"train": [], "val": []}
+    for t, task in enumerate(task_files(corpus)):
+        rng, streams = random.Random(f"0/{t}"), {"train": [], "val": []}
+        for f in task:
+            for line in f.read_text().splitlines():
+                streams["val" if rng.random() < 0.2 else "train"].append(tok.encode(json.loads(line)["text"]))
+        for split, docs in streams.items():
+            flat, begins = [], []
+            for ids in docs:
+                begins.append(len(flat))
+                flat += ids + [tok.eos_id]
+            for i in range(len(flat) // 32):
+                starts = sorted({0} | {b - 32 * i for b in begins if 32 * i <= b < 32 * (i + 1)})
+                expected[split].append((flat[32 * i : 32 * (i + 1)], starts))
+    return expected
+
+
+def test_workers_and_shards_give_the_same_dataset_sample_for_sample(tmp_path, corpus, tok_path, capsys):
+    """0, 1 and 2 workers, and two shards (the second merging), write the same samples in the same order;
+    each task's documents are packed as one stream (the reference), tasks in order."""
+    for name, extra in [("w0", ["--workers", 0]), ("w1", ["--workers", 1]), ("w2", ["--workers", 2])]:
+        code, out, err = prepare(capsys, corpus, tmp_path / name, tok_path, *extra)
+        assert code == 0, err
+    reference = samples(tmp_path / "w0")
+    assert samples(tmp_path / "w1") == samples(tmp_path / "w2") == reference
+    n = len(task_files(corpus))
+    assert n >= 4 and any(len(task) > 1 for task in task_files(corpus))
+    assert json.loads((tmp_path / "w2" / "meta.json").read_text())["tasks"] == n
+    assert sorted(p.name for p in (tmp_path / "w2").iterdir()) == ["meta.json", "tokenizer.model", "train", "val"]
+    parts = sorted(p.name for p in (tmp_path / "w2" / "train").iterdir())
+    assert parts == [f"{t:06d}" for t in range(n)] + ["index.json"]
+
+    # Two shards on "two nodes": the first leaves its part, holding only its own tasks; the second merges.
+    code, out, err = prepare(capsys, corpus, tmp_path / "s", tok_path, "--num-shards", 2, "--shard-index", 1)
+    odd = list(range(1, n, 2))
+    assert code == 0 and f"{len(odd)} of {n} tasks done; the other parts are still running" in out, err
+    staging = tmp_path / ".s.prepare"
+    assert sorted(p.name for p in (staging / "train").iterdir()) == [f"{t:06d}" for t in odd]
+    assert not (tmp_path / "s").exists()
+    code, _, err = run_merge(capsys, tmp_path / "s")
+    assert code == 2 and f"{n - len(odd)} of {n} tasks are not done (first: 0)" in err
+    code, out, err = prepare(capsys, corpus, tmp_path / "s", tok_path, "--num-shards", 2, "--shard-index", 0)
+    assert code == 0 and out.startswith(f"prepared {tmp_path / 's'}"), err
+    assert samples(tmp_path / "s") == reference and not staging.exists()
+
+    assert reference == expected_samples(corpus, tok_path)
+
+
+def run_merge(capsys, out):
+    code = main(["data", "merge", str(out)])
+    out_text, err = capsys.readouterr()
+    return code, out_text, err
+
+
+def test_a_part_from_another_plan_or_tokenizer_is_refused(tmp_path, corpus, tok_path, capsys):
+    code, _, err = prepare(capsys, corpus, tmp_path / "s", tok_path, "--num-shards", 2, "--shard-index", 0)
+    assert code == 0, err
+    staging = tmp_path / ".s.prepare"
+    plan = (staging / "plan.json").read_text()
+    other = tmp_path / "other.model"
+    train_tokenizer(python_stdlib_documents(200_000), other, vocab_size=400)
+    code, _, err = prepare(capsys, corpus, tmp_path / "s", other, "--num-shards", 2, "--shard-index", 1)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "an unfinished prepare of other tokenizer is there" in lines[0]
+    assert (staging / "plan.json").read_text() == plan  # the other prepare's work untouched
+    # A part whose record names another tokenizer (copied in from another prepare) is refused at the merge.
+    code, _, err = prepare(capsys, corpus, tmp_path / "s", tok_path, "--num-shards", 2, "--shard-index", 1)
+    assert code == 0, err  # merged: now make a second prepare and tamper with one of its parts
+    code, _, err = prepare(capsys, corpus, tmp_path / "t", tok_path, "--num-shards", 2, "--shard-index", 0)
+    assert code == 0, err
+    marker = tmp_path / ".t.prepare" / "done" / "000000.json"
+    record = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**record, "tokenizer_sha1": "0" * 40}))
+    code, _, err = prepare(capsys, corpus, tmp_path / "t", tok_path, "--num-shards", 2, "--shard-index", 1)
+    assert code == 2 and "task 0 was tokenized with another tokenizer than the plan's" in err
+    assert (tmp_path / ".t.prepare" / "plan.json").is_file() and not (tmp_path / "t").exists()
+
+
+def test_progress_is_bytes_of_the_total_with_an_eta_off_a_terminal(tmp_path, corpus, tok_path, capsys, monkeypatch):
+    monkeypatch.setattr(prepare_module, "LOG_EVERY_S", 0.0)
+    total = sum(f.stat().st_size for f in corpus.iterdir())
+    prepare_dataset([str(corpus)], tmp_path / "o", tok_path, 31, workers=0, task_bytes=5000, progress=True)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("prepare: ")]
+    assert len(lines) == len(list(corpus.iterdir()))  # one per input file finished
+    assert lines[-1].startswith(f"prepare: {total / 2**20:,.1f} of {total / 2**20:,.1f} MiB (100%), ")
+    assert all(" MiB/s, ETA " in x for x in lines)
