@@ -93,7 +93,8 @@ def _is_hf_dataset(path: Path) -> bool:
     return (path / "README.md").is_file() and (path / "data").is_dir()
 
 
-def _read_json_file(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding an object, or DataError naming the file."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -106,14 +107,14 @@ def _read_json_file(path: Path) -> dict:
 def _hf_data_files(folder: Path, split: str) -> list[Path]:
     """The data files of a `datasets` folder, in the dataset's own order (split `split` of several)."""
     if (folder / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: a Dataset folder per split
-        splits = _read_json_file(folder / "dataset_dict.json").get("splits")
+        splits = read_json_object(folder / "dataset_dict.json").get("splits")
         if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
             raise DataError(f"{folder / 'dataset_dict.json'}: no list of splits")
         if split not in splits:
             raise DataError(f"{folder}: no split {split!r} (splits: {', '.join(splits)}; choose one with --hf-split)")
         return _hf_data_files(folder / split, split)
     if (folder / "state.json").is_file():  # Dataset.save_to_disk: state.json lists its Arrow files in order
-        files = _read_json_file(folder / "state.json").get("_data_files")
+        files = read_json_object(folder / "state.json").get("_data_files")
         if not isinstance(files, list) or not all(isinstance(f, dict) and "filename" in f for f in files):
             raise DataError(f"{folder / 'state.json'}: no list of data files (_data_files)")
         paths = [folder / f["filename"] for f in files]

@@ -19,6 +19,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from megabam.data.errors import DataError
+from megabam.data.sources import read_json_object
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SENTENCEPIECE_FILE, HF_FILE, HF_CONFIG = "tokenizer.model", "tokenizer.json", "tokenizer_config.json"
@@ -95,7 +96,9 @@ class HFTokenizer(Tokenizer):
         self.path = Path(path)
         self._tok = RustTokenizer.from_file(str(self.path))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.config = _read_object(self.path.with_name(HF_CONFIG)) if self.path.with_name(HF_CONFIG).is_file() else {}
+        self.config = (
+            read_json_object(self.path.with_name(HF_CONFIG)) if self.path.with_name(HF_CONFIG).is_file() else {}
+        )
         template_bos, template_eos = _template_specials(json.loads(self._tok.to_str()).get("post_processor"))
         named = lambda key: _token_name(self.config.get(key))  # noqa: E731
         added = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
@@ -125,16 +128,6 @@ class HFTokenizer(Tokenizer):
             return self.config
         names = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
         return {"tokenizer_class": "PreTrainedTokenizerFast", **{k: v for k, v in names.items() if v is not None}}
-
-
-def _read_object(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: not readable as JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: not a JSON object")
-    return data
 
 
 def _token_name(value) -> str | None:
