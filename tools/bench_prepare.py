@@ -6,8 +6,8 @@
 3. `megabam data prepare --workers 1` and `--workers 2`, each as its own process, --rounds interleaved
    rounds: MiB/s and tokens/s (median and spread), and where the task time went (read, tokenize, pack,
    write; CPU-seconds summed over tasks).
-4. Peak resident memory of a prepare at --corpus-mb and at a quarter of it (one worker, in process):
-   it should not grow with the input.
+4. Peak resident memory of a prepare (one worker, in process) of the corpus and of a quarter of it made
+   of 4 files of the same size (so the same tasks, 4 times fewer): it should not grow with the input.
 
 Run alone (two CPU jobs at once distort every figure):
     .venv/bin/python tools/bench_prepare.py   (prints Markdown tables)
@@ -32,15 +32,15 @@ from megabam.data.tokenizer import open_tokenizer, train_tokenizer  # noqa: E402
 FILES = 16
 
 
-def write_corpus(folder: Path, texts: list[str], mb: float) -> tuple[int, int]:
-    """FILES Parquet files of `mb` MiB of text in all; returns (bytes of text, bytes on disk)."""
+def write_corpus(folder: Path, texts: list[str], mb: float, files: int = FILES) -> tuple[int, int]:
+    """`files` Parquet files of `mb` MiB of text in all; returns (bytes of text, bytes on disk)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     folder.mkdir(parents=True)
     rng = random.Random(0)
-    per_file, text = mb * 2**20 / FILES, 0
-    for i in range(FILES):
+    per_file, text = mb * 2**20 / files, 0
+    for i in range(files):
         docs, size = [], 0
         while size < per_file:
             doc = rng.choice(texts)
@@ -102,7 +102,7 @@ def main() -> None:
         tokenizer = tmp / "tok.model"
         train_tokenizer(texts[:2000], tokenizer, args.vocab_size)
         text_bytes, on_disk = write_corpus(tmp / "big", texts, args.corpus_mb)
-        write_corpus(tmp / "small", texts, args.corpus_mb / 4)
+        write_corpus(tmp / "small", texts, args.corpus_mb / 4, FILES // 4)
         enc_mb_s, enc_tok_s = encode_rate(texts * 4, tokenizer, min(args.corpus_mb, 50))
 
         runs: dict[int, list[tuple[dict, float, int]]] = {1: [], 2: []}
