@@ -30,6 +30,8 @@ import shutil
 import sys
 import time
 import uuid
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -100,6 +102,10 @@ class PrepareSummary(SourceStats):
             f"task seconds: {stages}",
             *(warn if 0 < val < MIN_VAL_SAMPLES else []),
         ]
+
+
+class WorkerLost(DataError):
+    """A worker process died: nothing wrong with the input, the finished tasks are kept for a rerun."""
 
 
 @dataclass
@@ -183,6 +189,8 @@ def prepare_dataset(
                 None, len(done), len(plan["tasks"]), "the other parts are still running; the last one merges"
             )
         summary = merge_prepared(out, overwrite, staging=staging, seconds=time.perf_counter() - start)
+    except WorkerLost:
+        raise
     except DataError:
         if num_shards == 1:  # bad input: nothing of this prepare is worth keeping (the plan must change)
             shutil.rmtree(staging, ignore_errors=True)
@@ -312,19 +320,28 @@ def _run_tasks(staging: Path, plan: dict, todo: list[int], workers: int, progres
         finally:
             report.close()
         return
-    # spawn, not fork: the parent may hold threads (tqdm's monitor, streaming's writers).
+    # spawn, not fork: the parent may hold threads (tqdm's monitor, streaming's writers). An executor,
+    # not multiprocessing.Pool: a worker killed outright (the OOM killer) breaks it, where a Pool
+    # would wait for the lost task for ever.
     ctx = multiprocessing.get_context("spawn")
     done_bytes = ctx.Value("q", 0)
-    with ctx.Pool(min(workers, len(tasks)), initializer=_init_worker, initargs=(done_bytes,)) as pool:
-        pending = [pool.apply_async(_run_task_in_worker, (task,)) for task in tasks]
+    n = min(workers, len(tasks))
+    with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(done_bytes,)) as pool:
+        pending = {pool.submit(_run_task_in_worker, task) for task in tasks}
         try:
             while pending:
-                pending[0].wait(0.5)
+                finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
                 report.update(done_bytes.value)
-                for result in [r for r in pending if r.ready()]:
-                    result.get()  # a worker's DataError comes out here, one line
-                    pending.remove(result)
+                for future in finished:
+                    future.result()  # a worker's DataError comes out here, one line
+        except BrokenProcessPool:
+            raise WorkerLost(
+                "a prepare worker process died (killed, or out of memory?); the finished tasks are kept: "
+                "run the same command again to do the rest"
+            ) from None
         finally:
+            for future in pending:
+                future.cancel()
             report.close()
 
 
