@@ -12,20 +12,13 @@ import time
 
 import psutil
 import pytest
+from helpers.prepared import prepared_samples
 from helpers.runs import ENV, REPO
 
 from megabam.data.corpus import python_stdlib_documents
-from megabam.data.shards import iter_mds_samples
 from megabam.data.tokenizer import train_tokenizer
 
 FILES, FILE_DOCS = 24, 120
-
-
-def samples(out):
-    return {
-        split: [(s["tokens"].tolist(), s["doc_starts"].tolist()) for s in iter_mds_samples(out / split)]
-        for split in ("train", "val")
-    }
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +67,7 @@ def test_a_killed_prepare_resumes_to_the_dataset_an_uninterrupted_one_writes(tmp
     again = subprocess.run(command(corpus, tmp_path / "cut"), capture_output=True, text=True, env=ENV, cwd=REPO)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"prepare: resuming: {kept} of {tasks} tasks already done" in again.stderr
-    assert samples(tmp_path / "cut") == samples(tmp_path / "whole")
+    assert prepared_samples(tmp_path / "cut") == prepared_samples(tmp_path / "whole")
     counts = [json.loads((tmp_path / run / "meta.json").read_text())["summary"] for run in ("cut", "whole")]
     for key in ("documents", "tokens", "tokens_dropped", "samples", "input_bytes"):
         assert counts[0][key] == counts[1][key], key
@@ -107,4 +100,4 @@ def test_a_worker_killed_outright_ends_the_prepare_with_a_line_and_a_rerun_finis
     assert (staging / "plan.json").is_file() and list((staging / "done").glob("*.json"))
     again = subprocess.run(command(corpus, tmp_path / "cut"), capture_output=True, text=True, env=ENV, cwd=REPO)
     assert again.returncode == 0 and "prepare: resuming: " in again.stderr, again.stderr[-2000:]
-    assert sum(len(v) for v in samples(tmp_path / "cut").values()) > 0 and not staging.exists()
+    assert sum(len(v) for v in prepared_samples(tmp_path / "cut").values()) > 0 and not staging.exists()

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import zstandard
+from helpers.prepared import prepared_samples
 
 from megabam.cli import main
 from megabam.config.schema import StreamConfig
@@ -17,7 +18,6 @@ from megabam.data.inspect_data import inspect_dataset
 from megabam.data.mixture import StreamSpec, check_streams
 from megabam.data.niah import niah_sample
 from megabam.data.prepare import prepare_dataset
-from megabam.data.shards import iter_mds_samples
 from megabam.data.sources import expand_inputs, read_documents
 from megabam.data.streaming_import import import_streaming
 from megabam.data.synth import synthetic_tokens
@@ -99,14 +99,6 @@ def test_mds_text_shards_are_an_input(tmp_path):
     assert list(read_documents(expand_inputs([str(tmp_path)]))) == texts + ["beside the shards"]
     with pytest.raises(DataError, match="no column 'body'"):
         list(read_documents(expand_inputs([str(tmp_path / "mds")]), text_field="body"))
-
-
-def prepared_samples(out):
-    """Every sample's tokens and document starts of a prepared dataset, by split, in order."""
-    return {
-        split: [(s["tokens"].tolist(), s["doc_starts"].tolist()) for s in iter_mds_samples(out / split)]
-        for split in ("train", "val")
-    }
 
 
 def test_parquet_arrow_and_datasets_folders_give_the_jsonl_token_stream(tmp_path, tok_path, capsys):

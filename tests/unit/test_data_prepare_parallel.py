@@ -5,12 +5,12 @@ import json
 import random
 
 import pytest
+from helpers.prepared import prepared_samples
 
 from megabam.cli import main
 from megabam.data import prepare as prepare_module
 from megabam.data.corpus import python_stdlib_documents
 from megabam.data.prepare import prepare_dataset
-from megabam.data.shards import iter_mds_samples
 from megabam.data.tokenizer import open_tokenizer, train_tokenizer
 
 TASK = 12_000  # --task-size: tasks of one or two files
@@ -42,13 +42,6 @@ def prepare(capsys, corpus, out, tok_path, *extra):
     code = main([str(a) for a in cmd])
     out_text, err = capsys.readouterr()
     return code, out_text, err
-
-
-def samples(out):
-    return {
-        split: [(s["tokens"].tolist(), s["doc_starts"].tolist()) for s in iter_mds_samples(out / split)]
-        for split in ("train", "val")
-    }
 
 
 def task_files(corpus):
@@ -90,8 +83,8 @@ def test_workers_and_shards_give_the_same_dataset_sample_for_sample(tmp_path, co
     for name, extra in [("w0", ["--workers", 0]), ("w1", ["--workers", 1]), ("w2", ["--workers", 2])]:
         code, out, err = prepare(capsys, corpus, tmp_path / name, tok_path, *extra)
         assert code == 0, err
-    reference = samples(tmp_path / "w0")
-    assert samples(tmp_path / "w1") == samples(tmp_path / "w2") == reference
+    reference = prepared_samples(tmp_path / "w0")
+    assert prepared_samples(tmp_path / "w1") == prepared_samples(tmp_path / "w2") == reference
     n = len(task_files(corpus))
     assert n >= 4 and any(len(task) > 1 for task in task_files(corpus))
     assert json.loads((tmp_path / "w2" / "meta.json").read_text())["tasks"] == n
@@ -110,7 +103,7 @@ def test_workers_and_shards_give_the_same_dataset_sample_for_sample(tmp_path, co
     assert code == 2 and f"{n - len(odd)} of {n} tasks are not done (first: 0)" in err
     code, out, err = prepare(capsys, corpus, tmp_path / "s", tok_path, "--num-shards", 2, "--shard-index", 0)
     assert code == 0 and out.startswith(f"prepared {tmp_path / 's'}"), err
-    assert samples(tmp_path / "s") == reference and not staging.exists()
+    assert prepared_samples(tmp_path / "s") == reference and not staging.exists()
 
     assert reference == expected_samples(corpus, tok_path)
 
