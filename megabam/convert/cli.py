@@ -71,6 +71,7 @@ def _writer_arguments(p) -> None:
 def run_convert(args) -> int:
     from megabam.config import ConfigError
     from megabam.convert.output import OutputError
+    from megabam.data.errors import DataError
     from megabam.train.checkpoint import CheckpointError
 
     try:
@@ -81,7 +82,7 @@ def run_convert(args) -> int:
             "to-hf": _to_hf,
             "from-hf": _from_hf,
         }[args.task](args)
-    except (CheckpointError, OutputError, ConfigError) as e:
+    except (CheckpointError, OutputError, ConfigError, DataError) as e:  # DataError: the run's tokenizer
         print(f"megabam: error: {e}", file=sys.stderr)
         return exit_codes.BAD_INPUT
     print("\n".join(lines))

@@ -24,7 +24,7 @@ from megabam.config.loader import save_config
 from megabam.convert.output import check_output, output_folder
 from megabam.convert.reader import CheckpointReader
 from megabam.convert.safetensors_out import read_model, weight_files, write_model
-from megabam.data.tokenizer import copy_tokenizer, open_tokenizer, tokenizer_in
+from megabam.data.tokenizer import copy_tokenizer, load_tokenizer, tokenizer_in
 from megabam.model import Decoder
 from megabam.train.checkpoint import META_FILE, CheckpointError, CheckpointMeta
 
@@ -47,7 +47,7 @@ def consolidate(
     with output_folder(out) as tmp:
         files = write_model(tmp, entries, DTYPES[dtype], reader.tensor, max_shard_bytes)
         save_config(reader.config, tmp / "config.yaml")
-        copy_tokenizer(open_tokenizer(tokenizer), tmp)
+        copy_tokenizer(load_tokenizer(tokenizer), tmp)
         (tmp / META_FILE).write_text(reader.meta.to_json())
         layout = {"tensor": reader.tp, "pipeline": reader.pp}
         marker = {"format": FORMAT, "version": 1, "source": str(reader.path), "step": reader.meta.step}

@@ -32,7 +32,7 @@ from megabam.data.tokenizer import (
     SentencePieceTokenizer,
     Tokenizer,
     copy_tokenizer,
-    open_tokenizer,
+    load_tokenizer,
 )
 from megabam.train.checkpoint import META_FILE
 
@@ -163,7 +163,7 @@ def to_hf(
     reader = CheckpointReader(source)
     check_output(out, overwrite, reader.path)
     reader.check()
-    tokenizer = open_tokenizer(reader.tokenizer_path())
+    tokenizer = load_tokenizer(reader.tokenizer_path())
     bundled = bundle()
     entries = [(PREFIX + name, shape) for name, shape in reader.shapes.items()]
     with output_folder(out) as tmp:

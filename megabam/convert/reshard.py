@@ -32,7 +32,7 @@ from megabam.config.loader import config_from_dict, save_config
 from megabam.convert.optimizer_state import KINDS, OptimizerState
 from megabam.convert.output import check_output, output_folder
 from megabam.convert.reader import CheckpointReader
-from megabam.data.tokenizer import copy_tokenizer, open_tokenizer
+from megabam.data.tokenizer import copy_tokenizer, load_tokenizer
 from megabam.parallel.layout import ParallelLayout
 from megabam.train.checkpoint import CheckpointError, checkpoint_root, list_tags
 
@@ -104,7 +104,7 @@ def reshard(
     world = tp * pp * dp
     with output_folder(out) as tmp:
         save_config(config_from_dict(raw, SOURCE), tmp / "config.yaml")
-        copied = copy_tokenizer(open_tokenizer(tokenizer), tmp)
+        copied = copy_tokenizer(load_tokenizer(tokenizer), tmp)
         metrics = reader.run_dir / "metrics.jsonl"
         if metrics.is_file():  # the resumed run drops its rows past the checkpoint (and any cut short)
             shutil.copyfile(metrics, tmp / "metrics.jsonl")

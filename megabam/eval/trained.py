@@ -12,7 +12,7 @@ import torch
 
 from megabam.config import Config
 from megabam.convert.reader import CheckpointReader
-from megabam.data.tokenizer import Tokenizer, open_tokenizer
+from megabam.data.tokenizer import Tokenizer, load_tokenizer
 from megabam.model import Decoder
 from megabam.train.checkpoint import CheckpointError, CheckpointMeta, tag_for
 
@@ -53,4 +53,4 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu") -> Traine
         reader.check()
         model = Decoder(config.model)
         model.load_state_dict(reader.state_dict())
-    return Trained(model.float().to(device).eval(), open_tokenizer(tokenizer), config, meta, checkpoint, run_dir)
+    return Trained(model.float().to(device).eval(), load_tokenizer(tokenizer), config, meta, checkpoint, run_dir)

@@ -211,7 +211,12 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, shar
     (missing / "checkpoints" / "step_00000010" / "mp_rank_01_model_states.pt").unlink()
     exists = tmp_path / "exists"
     exists.mkdir()
+    # A run whose tokenizer file is garbage: one line naming it, not the sentencepiece traceback.
+    garbled, _ = write_run(tmp_path / "garbled", tokenizer_from=tokenizer_run)
+    (garbled / "tokenizer.model").write_bytes(b"not a sentencepiece model" * 10)
     cases = [
+        (["convert", "consolidate", str(garbled), str(tmp_path / "o6")], "is not a sentencepiece model"),
+        (["convert", "to-hf", str(garbled), str(tmp_path / "o7")], "is not a sentencepiece model"),
         (["convert", "inspect", str(tmp_path / "nothing")], "no such run or checkpoint directory"),
         (
             ["convert", "consolidate", str(wrong), str(tmp_path / "o1")],
@@ -234,7 +239,7 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, shar
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, (args, err)
     assert digests(shared_run) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "missing", "wrong"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "garbled", "missing", "wrong"]
     assert list(exists.iterdir()) == []
 
 
