@@ -17,7 +17,7 @@ from megabam.data.cli import add_data_parser, run_data
 from megabam.eval.cli import add_eval_parser, add_plot_parser, add_repro_parser, run_eval, run_plot, run_repro
 from megabam.launch import add_launch_parser, run_launch
 from megabam.plan.cli import add_plan_parser, run_plan
-from megabam.train.preemption import Preempted, PreemptionFlag, exit_at_start_up
+from megabam.train.preemption import Preempted, handle_start_up_signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,8 +97,7 @@ def _record_exit_code(code: int) -> None:
 
 
 def _train(args) -> int:
-    for sig in PreemptionFlag.SIGNALS:
-        signal.signal(sig, exit_at_start_up)
+    handle_start_up_signals()
     if args.help_config:
         print("\n".join(describe_config(Config)))
         return exit_codes.OK

@@ -1,6 +1,7 @@
 """Preemption: SIGTERM / SIGUSR1 (SLURM sends one before the time limit) ask every rank to finish
 its step, checkpoint, and exit with megabam.exit_codes.PREEMPTED so that launch scripts requeue the job."""
 
+import os
 import signal
 import sys
 
@@ -8,6 +9,19 @@ from megabam import exit_codes
 
 # The signal that arrived before the trainer's own handler was installed (exit_at_start_up).
 _at_start_up: str | None = None
+# The standard error this process started with, kept apart: during start-up DeepSpeed's compiler
+# probes (OpBuilder.has_function) point file descriptor 2 at a temporary file they then delete, and a
+# signal in that moment printed its message there (seen: exit 75 with no word why).
+_stderr: int | None = None
+
+
+def handle_start_up_signals() -> None:
+    """Until PreemptionFlag takes over for the steps, SIGTERM/SIGUSR1 exit at once (exit_at_start_up)."""
+    global _stderr
+    if _stderr is None:
+        _stderr = os.dup(2)
+    for sig in PreemptionFlag.SIGNALS:
+        signal.signal(sig, exit_at_start_up)
 
 
 def exit_at_start_up(signum, frame) -> None:
@@ -15,10 +29,10 @@ def exit_at_start_up(signum, frame) -> None:
     again. PreemptionFlag takes over for the steps."""
     global _at_start_up
     _at_start_up = signal.Signals(signum).name
-    print(
-        f"megabam: {_at_start_up} during start-up; nothing to save, exit {exit_codes.PREEMPTED} (requeue)",
-        file=sys.stderr,
-    )
+    message = f"megabam: {_at_start_up} during start-up; nothing to save, exit {exit_codes.PREEMPTED} (requeue)\n"
+    # os.write, not print: the handler may interrupt a write to sys.stderr, whose buffer refuses a
+    # second writer (RuntimeError: reentrant call).
+    os.write(2 if _stderr is None else _stderr, message.encode())
     sys.exit(exit_codes.PREEMPTED)
 
 
