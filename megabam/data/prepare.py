@@ -1,8 +1,9 @@
 """`megabam data prepare`: inputs (megabam/data/sources.py) → tokens → packed samples → MDS shards,
 in parallel tasks that resume and merge.
 
-The input files are cut into tasks (consecutive files of about ``task_bytes`` together; the cut
-depends on the inputs alone). Each task reads, tokenizes, packs and writes its own MDS part of each
+The inputs are cut into tasks of about ``task_bytes``: consecutive files together, a larger file cut
+into pieces (byte ranges of a line-based file, row groups of Parquet: sources.pieces); the cut
+depends on the inputs alone. Each task reads, tokenizes, packs and writes its own MDS part of each
 split — ``train/NNNNNN/`` and ``val/NNNNNN/`` — in a worker process, so every stage scales with
 ``workers``; its documents go to train or validation by a random stream of (seed, task), never
 straddling the two. When every task is done, streaming's own index merge joins the parts (in task
@@ -39,7 +40,7 @@ from megabam.data.errors import DataError
 from megabam.data.output_dir import check_output
 from megabam.data.packing import Packer
 from megabam.data.shards import open_mds_writer, verify_shards, write_sample
-from megabam.data.sources import SourceStats, expand_inputs, read_documents
+from megabam.data.sources import SourceStats, expand_inputs, pieces, read_documents
 from megabam.data.tokenizer import copy_tokenizer, load_tokenizer, open_tokenizer
 
 SPLITS = ("train", "val")
@@ -208,8 +209,13 @@ def _plan(inputs: list[str], paths: list[Path], tokenizer, settings: dict) -> di
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else stat.st_size
         files.append({"path": str(path.absolute()), "bytes": size, "mtime_ns": stat.st_mtime_ns})
     tasks, current, current_bytes = [], [], 0
-    for i, f in enumerate(files):  # consecutive files of about task_bytes together
-        current.append(i)
+    for i, f in enumerate(files):
+        cut = pieces(paths[i], f["bytes"], settings["text_unit"], settings["task_bytes"])
+        if len(cut) > 1:  # a file of several pieces: a task each
+            tasks += ([current] if current else []) + [[{"file": i, "span": span, "bytes": n}] for span, n in cut]
+            current, current_bytes = [], 0
+            continue
+        current.append({"file": i, "span": None, "bytes": f["bytes"]})  # smaller files: consecutive ones together
         current_bytes += f["bytes"]
         if current_bytes >= settings["task_bytes"]:
             tasks.append(current)
@@ -218,7 +224,7 @@ def _plan(inputs: list[str], paths: list[Path], tokenizer, settings: dict) -> di
         tasks.append(current)
     digest = hashlib.sha1(tokenizer.path.read_bytes()).hexdigest()
     return {
-        "version": 1,
+        "version": 2,
         "inputs": list(inputs),
         "files": files,
         "tasks": tasks,
@@ -287,8 +293,7 @@ class _Task:
 
     index: int
     staging: str
-    files: list[str]
-    file_bytes: list[int]
+    pieces: list[tuple[str, list[int] | None, int]]  # (file, span or None for all of it, bytes)
     tokenizer: str
     settings: dict
 
@@ -298,14 +303,13 @@ def _run_tasks(staging: Path, plan: dict, todo: list[int], workers: int, progres
         _Task(
             t,
             str(staging),
-            [plan["files"][i]["path"] for i in plan["tasks"][t]],
-            [plan["files"][i]["bytes"] for i in plan["tasks"][t]],
+            [(plan["files"][p["file"]]["path"], p["span"], p["bytes"]) for p in plan["tasks"][t]],
             plan["tokenizer"]["path"],
             plan["settings"],
         )
         for t in todo
     ]
-    report = _Progress(sum(sum(t.file_bytes) for t in tasks), progress)
+    report = _Progress(sum(n for t in tasks for _, _, n in t.pieces), progress)
     if workers <= 1 or len(tasks) <= 1:  # here: no process to start
         done = 0
 
@@ -362,12 +366,12 @@ def _run_task_in_worker(task: _Task) -> None:
 
 
 def run_task(task: _Task, file_done) -> PrepareSummary:
-    """Read, tokenize, pack and write one task's files into its parts; mark it done. `file_done(n)` is
-    called with each input file's size as it is finished."""
+    """Read, tokenize, pack and write one task's pieces into its parts; mark it done. `file_done(n)` is
+    called with each piece's size in input bytes as it is finished."""
     s, staging, name = task.settings, Path(task.staging), _task_name(task.index)
     tokenizer = open_tokenizer(task.tokenizer)
     sample_len = s["seq_len"] + 1
-    summary = PrepareSummary(input_bytes=sum(task.file_bytes))
+    summary = PrepareSummary(input_bytes=sum(n for _, _, n in task.pieces))
     start = time.perf_counter()
     for split in SPLITS:  # what a killed run of this task left
         for stale in (staging / split).glob(f".{name}.tmp-*"):
@@ -379,7 +383,7 @@ def run_task(task: _Task, file_done) -> PrepareSummary:
     rng = random.Random(f"{s['seed']}/{task.index}")  # a task's split draws: independent of who runs it
     clock = summary.stage_s
     try:
-        for path, size in zip(task.files, task.file_bytes):
+        for path, span, size in task.pieces:
             docs = iter(
                 read_documents(
                     [Path(path)],
@@ -387,6 +391,7 @@ def run_task(task: _Task, file_done) -> PrepareSummary:
                     text_unit=s["text_unit"],
                     on_bad_utf8=s["on_bad_utf8"],
                     stats=summary,
+                    span=span,
                 )
             )
             while True:

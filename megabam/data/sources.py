@@ -9,11 +9,16 @@ yields the field of each sample. A ``datasets`` folder (``save_to_disk``'s ``sta
 ``dataset_dict.json``, or a hub download's ``data/`` of Parquet files) yields its data files only
 (its metadata is never read as JSON Lines, its README never as text), of one split where it has
 several. Non-UTF-8 bytes are replaced or refused (``on_bad_utf8``) and counted either way.
+
+A large file is read in pieces that processes read apart (``pieces``, then ``read_documents(span=)``):
+a line-based file between byte offsets (a line belongs to the piece its first byte lies in, so the
+pieces read each line once), Parquet between row groups, an Arrow IPC file between record batches.
 """
 
 import glob
 import gzip
 import io
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -142,12 +147,16 @@ def read_documents(
     text_unit: str = "file",
     on_bad_utf8: str = "fail",
     stats: SourceStats | None = None,
+    span: list[int] | None = None,
 ) -> Iterator[str]:
     """Yield every non-empty document of ``paths`` (from ``expand_inputs``) in order.
 
     ``text_unit`` is ``file`` (a plain text file is one document) or ``line``; ``on_bad_utf8`` is
-    ``fail`` (DataError naming file and line) or ``replace`` (U+FFFD, counted in ``stats``).
+    ``fail`` (DataError naming file and line) or ``replace`` (U+FFFD, counted in ``stats``). ``span``,
+    from ``pieces`` for the one path given, reads that piece of it only.
     """
+    if span is not None and len(paths) != 1:
+        raise ValueError("a span is a piece of one file")
     if on_bad_utf8 not in ("fail", "replace"):
         raise ValueError(f"on_bad_utf8 must be 'fail' or 'replace', got {on_bad_utf8!r}")
     if text_unit not in ("file", "line"):
@@ -158,11 +167,11 @@ def read_documents(
         if path.is_dir():
             raw_docs = _mds_documents(path, text_field)
         elif _kind(path) in ("parquet", "arrow"):
-            raw_docs = _columnar_documents(path, text_field, stats)
+            raw_docs = _columnar_documents(path, text_field, span)
         elif _kind(path) == "jsonl":
-            raw_docs = _jsonl_documents(path, text_field, on_bad_utf8, stats)
+            raw_docs = _jsonl_documents(path, text_field, on_bad_utf8, stats, span)
         else:
-            raw_docs = _text_documents(path, text_unit, on_bad_utf8, stats)
+            raw_docs = _text_documents(path, text_unit, on_bad_utf8, stats, span)
         for text in raw_docs:
             if not text:
                 stats.empty_skipped += 1
@@ -213,25 +222,45 @@ def _decode(data: bytes, where: str, on_bad_utf8: str, stats: SourceStats) -> st
         return data.decode("utf-8", errors="replace")
 
 
-def _text_documents(path: Path, text_unit: str, on_bad_utf8: str, stats: SourceStats) -> Iterator[str]:
+def _lines(f, path: Path, span: list[int] | None) -> Iterator[tuple[str, bytes]]:
+    """(where, line) for the lines of an open file, or for those that begin inside ``span`` = [start,
+    end) bytes: the line running across ``start`` belongs to the piece before."""
+    start, end = span if span is not None else (0, None)
+    if start > 0:
+        f.seek(start - 1)
+        f.readline()  # the rest of the line holding byte start - 1 (just its newline, if it ends there)
+    at, n = f.tell(), 0
+    while end is None or at < end:
+        line = f.readline()
+        if not line:
+            return
+        n += 1
+        yield (f"{path}:{n}" if start == 0 else f"{path} (the line at byte {at:,})"), line
+        at += len(line)
+
+
+def _text_documents(
+    path: Path, text_unit: str, on_bad_utf8: str, stats: SourceStats, span: list[int] | None
+) -> Iterator[str]:
     with _open_binary(path) as f:
         try:
             if text_unit == "file":
                 yield _decode(f.read(), str(path), on_bad_utf8, stats)
                 return
-            for n, line in enumerate(f, 1):
-                yield _decode(line, f"{path}:{n}", on_bad_utf8, stats).rstrip("\r\n")
+            for where, line in _lines(f, path, span):
+                yield _decode(line, where, on_bad_utf8, stats).rstrip("\r\n")
         except (OSError, EOFError) as e:  # truncated or corrupt compressed file
             raise DataError(f"{path}: cannot read ({e})") from None
 
 
-def _jsonl_documents(path: Path, field: str, on_bad_utf8: str, stats: SourceStats) -> Iterator[str]:
+def _jsonl_documents(
+    path: Path, field: str, on_bad_utf8: str, stats: SourceStats, span: list[int] | None
+) -> Iterator[str]:
     with _open_binary(path) as f:
         try:
-            for n, line in enumerate(f, 1):
+            for where, line in _lines(f, path, span):
                 if not line.strip():
                     continue
-                where = f"{path}:{n}"
                 try:
                     record = json.loads(_decode(line, where, on_bad_utf8, stats))
                 except json.JSONDecodeError as e:
@@ -243,19 +272,22 @@ def _jsonl_documents(path: Path, field: str, on_bad_utf8: str, stats: SourceStat
             raise DataError(f"{path}: cannot read ({e})") from None
 
 
-def _record_batches(path: Path, field: str):
-    """(column names, record batches of column `field`) of a Parquet or Arrow IPC file, read lazily."""
+def _record_batches(path: Path, field: str, span: list[int] | None):
+    """(column names, record batches of column `field`) of a Parquet or Arrow IPC file, read lazily;
+    with ``span``, of row groups (Parquet) or record batches (Arrow) [start, end) only."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     if _kind(path) == "parquet":
         f = pq.ParquetFile(path)
         names = f.schema_arrow.names
-        return names, (f.iter_batches(batch_size=BATCH_ROWS, columns=[field]) if field in names else iter(()))
+        groups = range(*span) if span is not None else None
+        batches = f.iter_batches(batch_size=BATCH_ROWS, columns=[field], row_groups=groups)
+        return names, batches if field in names else iter(())
     source = pa.memory_map(str(path))  # pages in what a batch touches, never the file at once
     try:
         reader = pa.ipc.open_file(source)  # the IPC file format (.arrow / Feather 2)
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        batches = (reader.get_batch(i) for i in range(*(span or (reader.num_record_batches,))))
     except pa.ArrowInvalid:
         source.seek(0)
         reader = pa.ipc.open_stream(source)  # the stream format, which `datasets` writes
@@ -264,11 +296,15 @@ def _record_batches(path: Path, field: str):
     return names, (b.select([field]) for b in batches) if field in names else iter(())
 
 
-def _columnar_documents(path: Path, field: str, stats: SourceStats) -> Iterator[str]:
+def _unreadable(path: Path, e: Exception) -> DataError:
+    return DataError(f"{path}: cannot read as {_kind(path)} ({str(e).splitlines()[0]})")
+
+
+def _columnar_documents(path: Path, field: str, span: list[int] | None) -> Iterator[str]:
     import pyarrow as pa
 
     try:
-        names, batches = _record_batches(path, field)
+        names, batches = _record_batches(path, field, span)
         if field not in names:
             raise DataError(f"{path}: no column {field!r} (columns: {', '.join(names) or 'none'}; set it with --field)")
         for batch in batches:
@@ -278,7 +314,51 @@ def _columnar_documents(path: Path, field: str, stats: SourceStats) -> Iterator[
             for text in column.to_pylist():
                 yield text or ""  # a null is an empty document: skipped and counted
     except (pa.ArrowException, OSError) as e:  # corrupt or truncated file
-        raise DataError(f"{path}: cannot read as {_kind(path)} ({str(e).splitlines()[0]})") from None
+        raise _unreadable(path, e) from None
+
+
+def pieces(path: Path, size: int, text_unit: str, target: int) -> list[tuple[list[int] | None, int]]:
+    """``path`` (of ``size`` bytes) cut into pieces of about ``target`` bytes, as [(span, bytes)] for
+    ``read_documents(span=)``; [(None, size)] where it is not cut: a file under ``target``, a compressed
+    one (no seeking), a text file read whole, an Arrow stream, an MDS folder, a single row group."""
+    kind = None if path.is_dir() else _kind(path)
+    compressed = path.name.lower().endswith(COMPRESSED_SUFFIXES)
+    if size <= target or kind is None or compressed or (kind == "text" and text_unit == "file"):
+        return [(None, size)]
+    if kind in ("jsonl", "text"):  # byte offsets; the reader moves each cut to a line start
+        n = -(-size // target)
+        return [([size * i // n, size * (i + 1) // n], size * (i + 1) // n - size * i // n) for i in range(n)]
+    import pyarrow as pa
+
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(path).metadata
+            unit_bytes = [
+                sum(meta.row_group(g).column(c).total_compressed_size for c in range(meta.num_columns))
+                for g in range(meta.num_row_groups)
+            ]
+        else:
+            try:
+                batches = pa.ipc.open_file(pa.memory_map(str(path))).num_record_batches
+            except pa.ArrowInvalid:  # the stream format: no index of its batches to seek by
+                return [(None, size)]
+            unit_bytes = [size // max(batches, 1)] * batches
+    except (pa.ArrowException, OSError) as e:
+        raise _unreadable(path, e) from None
+    cuts, start, acc = [], 0, 0  # consecutive row groups / batches until target bytes
+    for i, n in enumerate(unit_bytes):
+        acc += n
+        if acc >= target or i == len(unit_bytes) - 1:
+            cuts.append(([start, i + 1], acc))
+            start, acc = i + 1, 0
+    if len(cuts) <= 1:
+        return [(None, size)]
+    # Progress counts file bytes: share the file's size out by the pieces' own sizes.
+    total = sum(n for _, n in cuts) or 1
+    ends = [size * n // total for n in itertools.accumulate(n for _, n in cuts)]
+    return [(span, end - begin) for (span, _), begin, end in zip(cuts, [0] + ends[:-1], ends)]
 
 
 def _mds_documents(path: Path, field: str) -> Iterator[str]:

@@ -18,7 +18,7 @@ from megabam.data.inspect_data import inspect_dataset
 from megabam.data.mixture import StreamSpec, check_streams
 from megabam.data.niah import niah_sample
 from megabam.data.prepare import prepare_dataset
-from megabam.data.sources import expand_inputs, read_documents
+from megabam.data.sources import expand_inputs, pieces, read_documents
 from megabam.data.streaming_import import import_streaming
 from megabam.data.synth import synthetic_tokens
 from megabam.data.tokenizer import open_tokenizer, train_tokenizer
@@ -149,6 +149,56 @@ def test_parquet_arrow_and_datasets_folders_give_the_jsonl_token_stream(tmp_path
     assert prepare("hub", "--hf-split", "test") == test_split
     assert list(read_documents(expand_inputs([str(tmp_path / "hub"), str(tmp_path / "dict")]))) == texts + texts
     assert list(read_documents(expand_inputs([str(tmp_path / "hub")], hf_split="test"))) == other
+
+
+def test_the_pieces_of_a_file_read_each_document_once(tmp_path):
+    """Cut anywhere, the pieces of a line-based file read each line once (the one that begins inside
+    them, a line's own bytes and UTF-8 characters never split); Parquet and Arrow files are cut between
+    row groups and batches; files that cannot be cut stay whole."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = random_texts(random.Random(3), 40, 12) + ["", "last"]
+    write_jsonl(tmp_path / "a.jsonl", texts)
+    (tmp_path / "a.txt").write_bytes(("\n".join(texts) + "\r\n\n\nünï").encode())
+    for name, unit in (("a.jsonl", "file"), ("a.txt", "line")):
+        path = tmp_path / name
+        whole = list(read_documents([path], text_unit=unit))
+        data, size = path.read_bytes(), path.stat().st_size
+        line_starts = [0] + [i + 1 for i, byte in enumerate(data[:-1]) if byte == ord("\n")]
+        for cut in range(size + 1):
+            halves = [list(read_documents([path], text_unit=unit, span=s)) for s in ([0, cut], [cut, size])]
+            assert halves[0] + halves[1] == whole, (name, cut)
+            assert len(halves[0]) == len(read_documents_of(path, unit, [b for b in line_starts if b < cut]))
+        spans = pieces(path, size, unit, 300)
+        assert len(spans) == -(-size // 300) and sum(n for _, n in spans) == size
+        assert [x for s, _ in spans for x in read_documents([path], text_unit=unit, span=s)] == whole
+    assert pieces(tmp_path / "a.txt", 10_000, "file", 300) == [(None, 10_000)]  # a document per file
+    write_jsonl(tmp_path / "a.jsonl.gz", texts)
+    assert pieces(tmp_path / "a.jsonl.gz", 10_000, "file", 300) == [(None, 10_000)]  # no seeking in gzip
+
+    table = pa.table({"text": texts})
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=5)
+    with pa.ipc.new_file(tmp_path / "a.arrow", table.schema) as w:
+        w.write_table(table, max_chunksize=7)
+    with pa.ipc.new_stream(tmp_path / "s.arrow", table.schema) as w:
+        w.write_table(table, max_chunksize=7)
+    for name in ("a.parquet", "a.arrow"):
+        path = tmp_path / name
+        size = path.stat().st_size
+        spans = pieces(path, size, "file", size // 4)
+        assert 3 <= len(spans) and sum(n for _, n in spans) == size
+        assert [x for s, _ in spans for x in read_documents([path], span=s)] == [t for t in texts if t]
+    assert pieces(tmp_path / "s.arrow", 10_000, "file", 300) == [(None, 10_000)]  # a stream has no batch index
+
+
+def read_documents_of(path, unit, starts):
+    """The non-empty documents of the lines beginning at byte offsets `starts`, read plainly."""
+    data = path.read_bytes()
+    lines = [data[b:].split(b"\n", 1)[0] for b in starts]
+    if unit == "line":
+        return [x for x in (line.decode().rstrip("\r") for line in lines) if x]
+    return [t for t in (json.loads(line)["text"] for line in lines if line.strip()) if t]
 
 
 def test_columnar_inputs_refuse_a_missing_column_a_corrupt_file_and_a_missing_split(tmp_path, tok_path, capsys):

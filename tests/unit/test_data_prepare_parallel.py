@@ -57,15 +57,20 @@ def task_files(corpus):
 
 
 def expected_samples(corpus, tok_path):
-    """Each task (its files in order) a stream of documents split by random.Random("SEED/TASK"), eos
-    after each, cut into 32-token samples; the tasks' samples in task order."""
+    """The reference for a corpus of files under TASK bytes."""
+    tasks = [[json.loads(line)["text"] for f in task for line in f.read_text().splitlines()] for task in task_files(corpus)]
+    return samples_of_tasks(tasks, tok_path)
+
+
+def samples_of_tasks(tasks, tok_path):
+    """Each task (its documents in order) a stream of documents split by random.Random("SEED/TASK"),
+    eos after each, cut into 32-token samples; the tasks' samples in task order."""
     tok = open_tokenizer(tok_path)
     expected = {"train": [], "val": []}
-    for t, task in enumerate(task_files(corpus)):
+    for t, texts in enumerate(tasks):
         rng, streams = random.Random(f"0/{t}"), {"train": [], "val": []}
-        for f in task:
-            for line in f.read_text().splitlines():
-                streams["val" if rng.random() < 0.2 else "train"].append(tok.encode(json.loads(line)["text"]))
+        for text in texts:
+            streams["val" if rng.random() < 0.2 else "train"].append(tok.encode(text))
         for split, docs in streams.items():
             flat, begins = [], []
             for ids in docs:
@@ -108,6 +113,26 @@ def test_workers_and_shards_give_the_same_dataset_sample_for_sample(tmp_path, co
     assert reference == expected_samples(corpus, tok_path)
 
 
+def test_a_file_larger_than_a_task_is_cut_into_pieces_the_workers_share(tmp_path, tok_path, capsys):
+    """One JSON Lines file of ~5 tasks: piece k of n holds the lines that begin in its n-th of the bytes,
+    a task each, the same dataset for 0 and 2 workers."""
+    rng = random.Random(5)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 60))) for _ in range(400)]
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    data, size = big.read_bytes(), big.stat().st_size
+    n = -(-size // TASK)
+    assert n >= 4
+    starts = [0] + [i + 1 for i, byte in enumerate(data[:-1]) if byte == ord("\n")]
+    tasks = [[t for t, b in zip(texts, starts) if size * k // n <= b < size * (k + 1) // n] for k in range(n)]
+    assert sum(map(len, tasks)) == len(texts) and all(tasks)
+    for name, workers in [("w0", 0), ("w2", 2)]:
+        code, out, err = prepare(capsys, big, tmp_path / name, tok_path, "--workers", workers)
+        assert code == 0 and f"documents        {len(texts)} " in out, err
+        assert json.loads((tmp_path / name / "meta.json").read_text())["tasks"] == n
+    assert prepared_samples(tmp_path / "w0") == prepared_samples(tmp_path / "w2") == samples_of_tasks(tasks, tok_path)
+
+
 def run_merge(capsys, out):
     code = main(["data", "merge", str(out)])
     out_text, err = capsys.readouterr()
@@ -143,6 +168,7 @@ def test_progress_is_bytes_of_the_total_with_an_eta_off_a_terminal(tmp_path, cor
     total = sum(f.stat().st_size for f in corpus.iterdir())
     prepare_dataset([str(corpus)], tmp_path / "o", tok_path, 31, workers=0, task_bytes=5000, progress=True)
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("prepare: ")]
-    assert len(lines) == len(list(corpus.iterdir()))  # one per input file finished
+    # One per piece finished: a file over 5,000 bytes is read in pieces of at most that.
+    assert len(lines) == sum(-(-f.stat().st_size // 5000) for f in corpus.iterdir()) > len(list(corpus.iterdir()))
     assert lines[-1].startswith(f"prepare: {total / 2**20:,.1f} of {total / 2**20:,.1f} MiB (100%), ")
     assert all(" MiB/s, ETA " in x for x in lines)
