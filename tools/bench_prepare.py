@@ -81,8 +81,8 @@ def run_prepare(corpus: Path, out: Path, tokenizer: Path, workers: int, args) ->
     if done.returncode != 0:
         raise SystemExit(f"prepare failed: {done.stderr[-2000:]}")
     wall, peak = done.stdout.split()
-    summary = json.loads((out / "meta.json").read_text())["summary"]
-    return summary, float(wall), int(peak)
+    meta = json.loads((out / "meta.json").read_text())
+    return {**meta["summary"], "tasks": meta["tasks"]}, float(wall), int(peak)
 
 
 def main() -> None:
@@ -91,7 +91,9 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of 1 and 2 workers")
-    parser.add_argument("--task-size", default="12mb", help="prepare's --task-size (default: a task per file)")
+    parser.add_argument(
+        "--task-size", default="4mb", help="prepare's --task-size (default: a task per file, ~2.9 MB on disk each)"
+    )
     parser.add_argument("--val-fraction", type=float, default=0.01)
     args = parser.parse_args()
 
@@ -114,7 +116,8 @@ def main() -> None:
         print(
             f"corpus: {FILES} Parquet files, {on_disk / 2**20:,.0f} MiB on disk, "
             f"{text_bytes / 2**20:,.0f} MiB of text; "
-            f"{runs[1][0][0]['tokens']:,} tokens; sentencepiece BPE {args.vocab_size}; samples of {args.seq_len + 1}\n"
+            f"{runs[1][0][0]['tokens']:,} tokens; sentencepiece BPE {args.vocab_size}; samples of {args.seq_len + 1}; "
+            f"{runs[1][0][0]['tasks']} tasks of --task-size {args.task_size}\n"
         )
         print("| case | MiB/s (of Parquet input) | tokens/s | wall s | spread (min-max MiB/s) | ratio to 1 worker |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")

@@ -1,7 +1,7 @@
 """`megabam data prepare`: inputs (megabam/data/sources.py) → tokens → packed samples → MDS shards,
 in parallel tasks that resume and merge.
 
-The inputs are cut into tasks of about ``task_bytes``: consecutive files together, a larger file cut
+The inputs are cut into tasks of at most ``task_bytes``: consecutive files together, a larger file cut
 into pieces (byte ranges of a line-based file, row groups of Parquet: sources.pieces); the cut
 depends on the inputs alone. Each task reads, tokenizes, packs and writes its own MDS part of each
 split — ``train/NNNNNN/`` and ``val/NNNNNN/`` — in a worker process, so every stage scales with
@@ -40,7 +40,7 @@ from megabam.data.errors import DataError
 from megabam.data.output_dir import check_output
 from megabam.data.packing import Packer
 from megabam.data.shards import open_mds_writer, verify_shards, write_sample
-from megabam.data.sources import SourceStats, expand_inputs, pieces, read_documents
+from megabam.data.sources import SourceStats, consecutive_groups, expand_inputs, pieces, read_documents
 from megabam.data.tokenizer import copy_tokenizer, load_tokenizer, open_tokenizer
 
 SPLITS = ("train", "val")
@@ -208,20 +208,21 @@ def _plan(inputs: list[str], paths: list[Path], tokenizer, settings: dict) -> di
         stat = path.stat()
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else stat.st_size
         files.append({"path": str(path.absolute()), "bytes": size, "mtime_ns": stat.st_mtime_ns})
-    tasks, current, current_bytes = [], [], 0
+    tasks, whole = [], []  # whole: (file, bytes) of the files read whole since the last one cut
+
+    def group_whole() -> None:  # consecutive files read whole go together, at most task_bytes a task
+        for group in consecutive_groups([n for _, n in whole], settings["task_bytes"]):
+            tasks.append([{"file": whole[k][0], "span": None, "bytes": whole[k][1]} for k in group])
+        whole.clear()
+
     for i, f in enumerate(files):
         cut = pieces(paths[i], f["bytes"], settings["text_unit"], settings["task_bytes"])
-        if len(cut) > 1:  # a file of several pieces: a task each
-            tasks += ([current] if current else []) + [[{"file": i, "span": span, "bytes": n}] for span, n in cut]
-            current, current_bytes = [], 0
-            continue
-        current.append({"file": i, "span": None, "bytes": f["bytes"]})  # smaller files: consecutive ones together
-        current_bytes += f["bytes"]
-        if current_bytes >= settings["task_bytes"]:
-            tasks.append(current)
-            current, current_bytes = [], 0
-    if current:
-        tasks.append(current)
+        if len(cut) == 1:
+            whole.append((i, f["bytes"]))
+        else:  # a file cut in pieces: a task per piece
+            group_whole()
+            tasks += [[{"file": i, "span": span, "bytes": n}] for span, n in cut]
+    group_whole()
     digest = hashlib.sha1(tokenizer.path.read_bytes()).hexdigest()
     return {
         "version": 2,
@@ -330,9 +331,23 @@ def _run_tasks(staging: Path, plan: dict, todo: list[int], workers: int, progres
     ctx = multiprocessing.get_context("spawn")
     done_bytes = ctx.Value("q", 0)
     n = min(workers, len(tasks))
-    with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(done_bytes,)) as pool:
-        pending = {pool.submit(_run_task_in_worker, task) for task in tasks}
+
+    def file_done(size: int) -> None:
+        with done_bytes.get_lock():
+            done_bytes.value += size
+        report.update(done_bytes.value)
+
+    # This process is one of the workers (it would otherwise idle, and its start-up is paid already):
+    # the pool's n - 1 processes take tasks from the front, this one from the back, while a task is
+    # still waiting (a future not yet handed to a process can be cancelled), until they meet.
+    with ProcessPoolExecutor(n - 1, mp_context=ctx, initializer=_init_worker, initargs=(done_bytes,)) as pool:
+        futures = [pool.submit(_run_task_in_worker, task) for task in tasks]
         try:
+            for task, future in reversed(list(zip(tasks, futures))):
+                if not future.cancel():
+                    break
+                run_task(task, file_done)
+            pending = {f for f in futures if not f.cancelled()}
             while pending:
                 finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
                 report.update(done_bytes.value)
@@ -344,7 +359,7 @@ def _run_tasks(staging: Path, plan: dict, todo: list[int], workers: int, progres
                 "run the same command again to do the rest"
             ) from None
         finally:
-            for future in pending:
+            for future in futures:
                 future.cancel()
             report.close()
 

@@ -317,6 +317,20 @@ def _columnar_documents(path: Path, field: str, span: list[int] | None) -> Itera
         raise _unreadable(path, e) from None
 
 
+def consecutive_groups(sizes: list[int], target: int) -> list[list[int]]:
+    """The indexes of ``sizes`` in consecutive groups of at most ``target`` in all (an item larger than
+    ``target`` alone): how files are put together into tasks, and row groups or batches into pieces."""
+    groups, total = [], 0
+    for i, size in enumerate(sizes):
+        if groups and total + size <= target:
+            groups[-1].append(i)
+            total += size
+        else:
+            groups.append([i])
+            total = size
+    return groups
+
+
 def pieces(path: Path, size: int, text_unit: str, target: int) -> list[tuple[list[int] | None, int]]:
     """``path`` (of ``size`` bytes) cut into pieces of about ``target`` bytes, as [(span, bytes)] for
     ``read_documents(span=)``; [(None, size)] where it is not cut: a file under ``target``, a compressed
@@ -347,12 +361,7 @@ def pieces(path: Path, size: int, text_unit: str, target: int) -> list[tuple[lis
             unit_bytes = [size // max(batches, 1)] * batches
     except (pa.ArrowException, OSError) as e:
         raise _unreadable(path, e) from None
-    cuts, start, acc = [], 0, 0  # consecutive row groups / batches until target bytes
-    for i, n in enumerate(unit_bytes):
-        acc += n
-        if acc >= target or i == len(unit_bytes) - 1:
-            cuts.append(([start, i + 1], acc))
-            start, acc = i + 1, 0
+    cuts = [([g[0], g[-1] + 1], sum(unit_bytes[i] for i in g)) for g in consecutive_groups(unit_bytes, target)]
     if len(cuts) <= 1:
         return [(None, size)]
     # Progress counts file bytes: share the file's size out by the pieces' own sizes.

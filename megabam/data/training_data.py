@@ -62,7 +62,11 @@ def prepared_mixture(
             )
         if s.remote is None:
             if not (Path(s.path) / "train" / "index.json").exists():
-                raise DataError(f"stream {i}: {s.path} is not a prepared dataset (no train/index.json)")
+                raise DataError(
+                    f"stream {i}: {s.path} is not a prepared dataset (no train/index.json); training reads what "
+                    f"`megabam data prepare {s.path} --out DIR --tokenizer {tokenizer_path} --seq-len {seq_len}` "
+                    "writes (from text, JSON Lines, Parquet, Arrow or a datasets folder)"
+                )
             # Streaming checks hashes only when it downloads; a local shard cut short by a failed copy
             # is caught here by its size (cheap: no shard is read), a bit flip only by hashing it all.
             for split in ("train", "val"):

@@ -548,6 +548,15 @@ def test_tokenizer_vocab_must_match_the_model(tmp_path, tok_path, capsys):
         prepared_mixture(streams, tok_path, vocab_size=512, seq_len=16)
     data = prepared_mixture(streams, tok_path, vocab_size=512, seq_len=15)
     assert [(s.split, s.local) for s in data.train + data.val] == [("train", str(ds)), ("val", str(ds))]
+    # Raw input given where a prepared dataset belongs: the command that prepares it.
+    write_jsonl(tmp_path / "raw.jsonl", ["some text"])
+    with pytest.raises(DataError) as raised:
+        prepared_mixture([StreamConfig(path=str(tmp_path / "raw.jsonl"))], tok_path, vocab_size=512, seq_len=15)
+    assert str(raised.value) == (
+        f"stream 0: {tmp_path / 'raw.jsonl'} is not a prepared dataset (no train/index.json); training reads "
+        f"what `megabam data prepare {tmp_path / 'raw.jsonl'} --out DIR --tokenizer {tok_path} --seq-len 15` "
+        "writes (from text, JSON Lines, Parquet, Arrow or a datasets folder)"
+    )
 
 
 def test_mixture_weights_must_be_positive():

@@ -13,7 +13,7 @@ from megabam.data.corpus import python_stdlib_documents
 from megabam.data.prepare import prepare_dataset
 from megabam.data.tokenizer import open_tokenizer, train_tokenizer
 
-TASK = 12_000  # --task-size: tasks of one or two files
+TASK = 18_000  # --task-size: tasks of one or two files
 WORDS = ["alpha", "beta", "gamma", "delta", "x = 12", "def f():", "ünïcode", "\n", "    return"]
 
 
@@ -45,20 +45,23 @@ def prepare(capsys, corpus, out, tok_path, *extra):
 
 
 def task_files(corpus):
-    """The inputs cut into tasks as the module documents: consecutive files until TASK bytes."""
-    tasks, current, size = [], [], 0
+    """The inputs cut into tasks as the module documents: consecutive files of at most TASK bytes."""
+    tasks, size = [], 0
     for f in sorted(corpus.iterdir()):
-        current.append(f)
-        size += f.stat().st_size
-        if size >= TASK:
-            tasks.append(current)
-            current, size = [], 0
-    return tasks + ([current] if current else [])
+        if tasks and size + f.stat().st_size <= TASK:
+            tasks[-1].append(f)
+            size += f.stat().st_size
+        else:
+            tasks.append([f])
+            size = f.stat().st_size
+    return tasks
 
 
 def expected_samples(corpus, tok_path):
     """The reference for a corpus of files under TASK bytes."""
-    tasks = [[json.loads(line)["text"] for f in task for line in f.read_text().splitlines()] for task in task_files(corpus)]
+    tasks = [
+        [json.loads(line)["text"] for f in task for line in f.read_text().splitlines()] for task in task_files(corpus)
+    ]
     return samples_of_tasks(tasks, tok_path)
 
 
