@@ -8,6 +8,9 @@
 # from the environment, not from an argument. Ranks size their threads from the launcher's LOCAL_SIZE
 # (megabam/parallel/threads.py).
 #
+# On several hosts `megabam train`'s arguments cross each host's shell as one base64 word
+# (megabam/remote_args.py): pdsh would otherwise run `$(...)` in an override there.
+#
 # Exit code: the launcher's (on one host, the first failing rank's: 2 bad input, 75 preempted, ...).
 set -uo pipefail
 hostfile=${1:?usage: launch/deepspeed.sh HOSTFILE CONFIG [key.sub=value ...] [--resume]}
@@ -29,4 +32,10 @@ elif [[ -n ${MASTER_ADDR:-} ]]; then
   args+=(--master_addr="$MASTER_ADDR")
 fi
 [[ -n ${MASTER_PORT:-} ]] && args+=(--master_port="$MASTER_PORT")
-exec "$python" -m deepspeed.launcher.runner "${args[@]}" --module megabam.cli train "$@"
+train_args=("$@")
+if [[ $hosts != 1 ]]; then
+  # The launcher reaches the other hosts through a remote shell (pdsh's ssh by default), which parses
+  # the command line again: the arguments travel as one word of base64 (megabam/remote_args.py).
+  train_args=("$("$python" -m megabam.remote_args "$@")") || exit 2
+fi
+exec "$python" -m deepspeed.launcher.runner "${args[@]}" --module megabam.cli train "${train_args[@]}"

@@ -8,10 +8,13 @@
 # rank comes from the rendezvous, never from a variable expanded on another host. MEGABAM_LOG_DIR: one
 # log file per rank there (console lines prefixed by the local rank).
 #
-# Exit code: the ranks' common one — 0 done, 2 bad input, 3 bad steps, 75 preempted (requeue) —
-# where torchrun itself would say 1 for any failure. SIGTERM / SIGUSR1 to this script go to every
-# rank (which checkpoint and exit 75), not to torchrun (which would kill them 30 s later, or die). Ranks
-# die with torchrun: they ask the kernel for SIGKILL when their parent dies (megabam/cli.py).
+# Exit code: the ranks' common one — 0 done, 2 bad input, 3 bad steps, 75 preempted (requeue), 130
+# interrupted — where torchrun itself would say 1 for any failure. SIGTERM / SIGUSR1 / SIGINT to this
+# script go to every rank (which checkpoint and exit 75, or 130 for SIGINT; a second SIGINT stops them
+# at once), not to torchrun (which would kill them 30 s later, or die). torchrun dies with this script
+# (setpriv's parent-death signal, where util-linux has it: kill -9 of the script leaves nothing
+# running), and the ranks with torchrun: they ask the kernel for SIGKILL when their parent dies
+# (megabam/cli.py).
 set -uo pipefail
 nproc=${1:?usage: launch/torchrun.sh NPROC CONFIG [key.sub=value ...] [--resume]}
 shift
@@ -34,14 +37,22 @@ else
 fi
 logs=()
 [[ -n ${MEGABAM_LOG_DIR:-} ]] && logs=(--log-dir="$MEGABAM_LOG_DIR" --tee=3)
-# torchrun starts with SIGTERM and SIGUSR1 ignored: Slurm signals every process of a step, and torchrun
-# would die of SIGUSR1 or stop the ranks 30 s after SIGTERM. The ranks install their own handlers.
-trap '' TERM USR1
-"$python" -m torch.distributed.run "${rdzv[@]}" "${logs[@]}" --nproc-per-node="$nproc" -m megabam.cli train "$@" &
+# torchrun starts with SIGTERM, SIGUSR1 and SIGINT ignored: Slurm signals every process of a step, and
+# torchrun would die of SIGUSR1 or stop the ranks 30 s after SIGTERM; Ctrl-C reaches the terminal's
+# whole process group, and torchrun would turn it into a SIGTERM for the ranks (not told from a
+# preemption). It takes back SIGTERM for itself (its safety net), not SIGINT. The ranks install their
+# own handlers.
+trap '' TERM USR1 INT
+export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGHUP,SIGQUIT
+dies_with_me=()
+command -v setpriv >/dev/null && dies_with_me=(setpriv --pdeathsig KILL --)
+"${dies_with_me[@]}" "$python" -m torch.distributed.run "${rdzv[@]}" "${logs[@]}" --nproc-per-node="$nproc" \
+  -m megabam.cli train "$@" &
 launcher=$!
 forward() { pkill -"$1" -P "$launcher" 2>/dev/null || true; }
 trap 'forward TERM' TERM
 trap 'forward USR1' USR1
+trap 'forward INT' INT
 
 while true; do
   wait "$launcher"

@@ -10,12 +10,12 @@ import sys
 import typing
 from pathlib import Path
 
-from megabam import exit_codes
+from megabam import exit_codes, remote_args
 from megabam.config import Config, ConfigError, load_config
 from megabam.convert.cli import add_convert_parser, run_convert
 from megabam.data.cli import add_data_parser, run_data
 from megabam.eval.cli import add_eval_parser, add_plot_parser, add_repro_parser, run_eval, run_plot, run_repro
-from megabam.launch import add_launch_parser, run_launch
+from megabam.launch import add_launch_parser, parent_death_signal, run_launch
 from megabam.plan.cli import add_plan_parser, run_plan
 from megabam.train.preemption import Preempted, handle_start_up_signals
 
@@ -52,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     add_repro_parser(sub)
     add_convert_parser(sub)
 
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        argv = remote_args.decode(argv)  # `train`'s arguments as they cross a remote shell (multi-host)
+    except ValueError as e:
+        print(f"megabam: error: {e}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)
@@ -77,12 +83,7 @@ def _die_with_the_launcher() -> None:
     """Under a launcher (torchrun, the deepspeed launcher, mpirun, srun), stop at once when it dies: its
     ranks run in sessions of their own, so a scheduler's kill of the launcher's process group would
     otherwise leave them training on."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent_death_signal(signal.SIGKILL)
     if os.getppid() == 1:  # the launcher died before the request took effect
         os._exit(exit_codes.PREEMPTED)
 
@@ -151,11 +152,11 @@ def _train(args) -> int:
             print("\n".join(["", "== megabam summary (stored) =="] + summary.lines()))
         return exit_codes.OK
     except Preempted as e:
-        print(
-            f"megabam: preempted after step {e.args[0]}; checkpoint saved, exit {exit_codes.PREEMPTED} (requeue)",
-            file=sys.stderr,
-        )
-        return exit_codes.PREEMPTED
+        step, code = e.args
+        what = "preempted" if code == exit_codes.PREEMPTED else "interrupted"
+        requeue = " (requeue)" if code == exit_codes.PREEMPTED else ""
+        print(f"megabam: {what} after step {step}; checkpoint saved, exit {code}{requeue}", file=sys.stderr)
+        return code
     if int(os.environ.get("RANK", "0")) == 0:
         print("\n".join(["", "== megabam summary =="] + summary.lines()))
     return exit_codes.OK

@@ -4,3 +4,4 @@ OK = 0
 BAD_INPUT = 2  # a config, run directory, data or checkpoint that cannot be used; nothing was lost
 BAD_STEPS = 3  # train.max_bad_steps consecutive non-finite steps; the last good checkpoint is named
 PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGUSR1 after a checkpoint was saved; requeue the job
+INTERRUPTED = 130  # 128 + SIGINT, the shell's code for Ctrl-C: stopped by the user after a checkpoint was saved

@@ -7,11 +7,17 @@ Then the repo's script for that launcher (launch/) runs, built as an argument li
 from a config or the command line passes through a shell; for slurm a filled copy of
 launch/slurm.sbatch (the #SBATCH lines, and the arguments shell-quoted) is written and submitted with
 sbatch. --dry-run prints the command (and for slurm the script) instead.
+
+The script runs in a process group of its own, with this process as its only way in: SIGTERM,
+SIGUSR1 and SIGINT (Ctrl-C reaches this process alone) are passed on to it once, this process waits
+for the job and exits with its code (75 preempted, 130 interrupted), and should it die outright
+(kill -9), the script is sent SIGTERM by the kernel, so the ranks still save and stop.
 """
 
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -78,7 +84,32 @@ def run_launch(args) -> int:
         tmp.write_text(text)
         tmp.replace(path)
     print("running: " + " ".join([*shown, shlex.join(cmd)]), flush=True)
-    return subprocess.run(cmd, env={**os.environ, **env}).returncode
+    return run_passing_signals(cmd, {**os.environ, **env})
+
+
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def run_passing_signals(cmd: list[str], env: dict[str, str]) -> int:
+    """Run `cmd` in a process group of its own, pass FORWARDED signals on to it, wait, and return its
+    exit code (128 + N for a death by signal N, as a shell reports it)."""
+    proc = subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=lambda: parent_death_signal(signal.SIGTERM))
+    previous = {sig: signal.signal(sig, lambda signum, frame: proc.send_signal(signum)) for sig in FORWARDED}
+    try:
+        code = proc.wait()  # resumed after each forwarding handler (PEP 475)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def parent_death_signal(sig: int) -> None:
+    """Ask the kernel to send this process `sig` when its parent dies (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
 
 
 def _bad(key: str, why: str) -> ConfigError:

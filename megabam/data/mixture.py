@@ -1,6 +1,8 @@
 """Several prepared datasets mixed by weight: the streams a loader reads."""
 
+import functools
 import os
+import uuid
 from dataclasses import dataclass
 
 from megabam.data.errors import DataError
@@ -44,10 +46,10 @@ def check_streams(streams: list[StreamSpec]) -> None:
 def make_streams(streams: list[StreamSpec]) -> list:
     """streaming ``Stream`` objects for ``streams``; weights become proportions summing to 1."""
     check_streams(streams)
-    streaming = import_streaming()
+    import_streaming()
     total = sum(s.weight for s in streams) if streams[0].weight is not None else None
     return [
-        streaming.Stream(
+        _stream_class()(
             local=os.fspath(s.local),
             remote=s.remote,
             split=s.split,
@@ -56,3 +58,21 @@ def make_streams(streams: list[StreamSpec]) -> list:
         )
         for s in streams
     ]
+
+
+@functools.cache
+def _stream_class() -> type:
+    """streaming's Stream, decompressing a shard through a temporary file of its own. streaming writes
+    every process's copy to the same `shard.NNNNN.mds.tmp` before renaming it, so two jobs starting on
+    one node on one prepared dataset (zstd shards, prepare's default) raced: one renamed the file the
+    other had just renamed (seen: "No such file or directory: ...mds.tmp -> ...mds", a job lost). Both
+    write the same bytes, so whichever replace comes last changes nothing a reader sees."""
+    streaming = import_streaming()
+
+    class Stream(streaming.Stream):
+        def _decompress_shard_part(self, zip_info, zip_filename: str, raw_filename: str, compression) -> None:
+            mine = f"{raw_filename}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            super()._decompress_shard_part(zip_info, zip_filename, mine, compression)
+            os.replace(mine, raw_filename)
+
+    return Stream

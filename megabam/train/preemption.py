@@ -1,5 +1,7 @@
 """Preemption: SIGTERM / SIGUSR1 (SLURM sends one before the time limit) ask every rank to finish
-its step, checkpoint, and exit with megabam.exit_codes.PREEMPTED so that launch scripts requeue the job."""
+its step, checkpoint, and exit with megabam.exit_codes.PREEMPTED so that launch scripts requeue the job;
+SIGINT (Ctrl-C) does the same and exits with exit_codes.INTERRUPTED (130, not requeued), and a second
+SIGINT aborts at once."""
 
 import os
 import signal
@@ -15,8 +17,19 @@ _at_start_up: str | None = None
 _stderr: int | None = None
 
 
+def exit_code(signal_name: str) -> int:
+    """75 (requeue) for a scheduler's SIGTERM/SIGUSR1, 130 for the user's SIGINT."""
+    return exit_codes.INTERRUPTED if signal_name == "SIGINT" else exit_codes.PREEMPTED
+
+
+def _say(message: str) -> None:
+    # os.write, not print: a handler may interrupt a write to sys.stderr, whose buffer refuses a second
+    # writer (RuntimeError: reentrant call).
+    os.write(2 if _stderr is None else _stderr, f"{message}\n".encode())
+
+
 def handle_start_up_signals() -> None:
-    """Until PreemptionFlag takes over for the steps, SIGTERM/SIGUSR1 exit at once (exit_at_start_up)."""
+    """Until PreemptionFlag takes over for the steps, its signals exit at once (exit_at_start_up)."""
     global _stderr
     if _stderr is None:
         _stderr = os.dup(2)
@@ -25,22 +38,21 @@ def handle_start_up_signals() -> None:
 
 
 def exit_at_start_up(signum, frame) -> None:
-    """SIGTERM/SIGUSR1 before the first step: nothing to save yet, so the requeued job simply starts
-    again. PreemptionFlag takes over for the steps."""
+    """A signal before the first step: nothing to save yet, so a requeued job simply starts again.
+    PreemptionFlag takes over for the steps."""
     global _at_start_up
     _at_start_up = signal.Signals(signum).name
-    message = f"megabam: {_at_start_up} during start-up; nothing to save, exit {exit_codes.PREEMPTED} (requeue)\n"
-    # os.write, not print: the handler may interrupt a write to sys.stderr, whose buffer refuses a
-    # second writer (RuntimeError: reentrant call).
-    os.write(2 if _stderr is None else _stderr, message.encode())
-    sys.exit(exit_codes.PREEMPTED)
+    code = exit_code(_at_start_up)
+    requeue = " (requeue)" if code == exit_codes.PREEMPTED else ""
+    _say(f"megabam: {_at_start_up} during start-up; nothing to save, exit {code}{requeue}")
+    sys.exit(code)
 
 
 class PreemptionFlag:
     """Set by the signal handler; read once per step (the trainer all-reduces it, since a signal may
     reach only some ranks, and every rank must stop after the same step)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self):
         self.signal_name: str | None = None
@@ -54,7 +66,7 @@ class PreemptionFlag:
         # have carried on past exit_at_start_up's exit; stop here, before the first step.
         if _at_start_up is not None:
             self.__exit__()
-            raise SystemExit(exit_codes.PREEMPTED)
+            raise SystemExit(exit_code(_at_start_up))
         return self
 
     def __exit__(self, *exc):
@@ -62,12 +74,21 @@ class PreemptionFlag:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and self.interrupted:  # the user insists: no checkpoint, no waiting for one
+            _say(f"megabam: a second SIGINT; stopping now without a checkpoint, exit {exit_codes.INTERRUPTED}")
+            os._exit(exit_codes.INTERRUPTED)
+        if self.signal_name != "SIGINT":  # Ctrl-C wins over a preemption: the user asked the run to stop
+            self.signal_name = name
 
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
 
+    @property
+    def interrupted(self) -> bool:
+        return self.signal_name == "SIGINT"
+
 
 class Preempted(Exception):
-    """Raised after the preemption checkpoint is written."""
+    """Raised after the checkpoint a signal asked for is written: args (step, exit code)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megabam import exit_codes
 from megabam.config import Config, ConfigError, save_config
 from megabam.config.schema import expand_pattern
 from megabam.data.errors import DataError
@@ -161,6 +162,7 @@ class StepResult:
     loss: float  # mean over micro-batches and data-parallel ranks
     skipped: bool  # DeepSpeed dropped the update (non-finite gradient norm) or the loss is not finite
     preempt: bool  # some rank was signalled
+    interrupt: bool  # the signal was SIGINT (Ctrl-C) on some rank: stop for good, not for a requeue
     lr: float
     window: int | None
     tokens_per_s: float
@@ -348,7 +350,9 @@ class Trainer:
             loss_sum = engine.step(micro_batches, window)
         # DeepSpeed skips an update whose gradient norm is not finite, on every rank alike.
         flags = torch.tensor(
-            [not engine.deepspeed.was_step_applied(), preemption.requested], dtype=torch.float64, device=engine.device
+            [not engine.deepspeed.was_step_applied(), preemption.requested, preemption.interrupted],
+            dtype=torch.float64,
+            device=engine.device,
         )
         stats = torch.cat([loss_sum.reshape(1), flags])  # built on the device: no sync before the collective
         dist.all_reduce(stats)
@@ -359,6 +363,7 @@ class Trainer:
             loss=loss,
             skipped=bool(stats[1] > 0) or not math.isfinite(loss),
             preempt=bool(stats[2] > 0),
+            interrupt=bool(stats[3] > 0),
             lr=lr,
             window=window,
             tokens_per_s=self.tokens_per_step / (time.perf_counter() - t0),
@@ -525,8 +530,9 @@ class Trainer:
                     if p.last_saved != done:
                         self.save_checkpoint()
                     who = preemption.signal_name or "signal on another rank"
-                    log.info(f"preempted ({who}) after step {done}; checkpoint saved")
-                    raise Preempted(done)
+                    what = "interrupted" if result.interrupt else "preempted"
+                    log.info(f"{what} ({who}) after step {done}; checkpoint saved")
+                    raise Preempted(done, exit_codes.INTERRUPTED if result.interrupt else exit_codes.PREEMPTED)
         return self.finish(time.perf_counter() - t_start, start_step)
 
     def finish(self, wall: float, start_step: int) -> Summary:

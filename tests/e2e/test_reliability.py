@@ -11,9 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from helpers.runs import logged, megabam_train, start_train, wait_for_step
+from helpers.runs import logged, megabam_train, ranks_of, start_train, wait_for_step
 
 from megabam.cli import main
 from megabam.data.corpus import python_stdlib_documents
@@ -132,20 +131,6 @@ def test_sigterm_during_start_up_exits_75(tmp_path, data_cache):
     assert "SIGTERM during start-up; nothing to save, exit 75 (requeue)" in (tmp_path / "startup.log").read_text()
 
 
-def _ranks_of(run_root: Path) -> list[psutil.Process]:
-    """Live `megabam train` processes of the runs under `run_root`."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(p.info["cmdline"] or [])
-        if (
-            "megabam.cli" in cmdline
-            and f"run.output_dir={run_root}" in cmdline
-            and "torch.distributed.run" not in cmdline
-        ):
-            found.append(p)
-    return found
-
-
 def test_the_launcher_exits_with_the_ranks_code(tmp_path, data_cache):
     """launch/torchrun.sh: 75 when SIGTERM to the script preempts both ranks, 2 for bad input (torchrun says 1)."""
     proc = start_train(
@@ -179,13 +164,13 @@ def test_killing_the_launchers_process_group_stops_every_rank(tmp_path, data_cac
         log=tmp_path / "orphans.log",
     )
     wait_for_step(tmp_path / "orphans", 2, proc)
-    assert len(_ranks_of(tmp_path)) == 2
+    assert len(ranks_of(tmp_path)) == 2
     os.killpg(proc.pid, signal.SIGKILL)  # what a scheduler kills: the launcher's group, not the ranks' sessions
     proc.wait()
     deadline = time.monotonic() + 30
-    while _ranks_of(tmp_path) and time.monotonic() < deadline:
+    while ranks_of(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _ranks_of(tmp_path), "ranks outlived their launcher"
+    assert not ranks_of(tmp_path), "ranks outlived their launcher"
 
 
 def test_a_build_lock_left_by_a_killed_build_is_cleared_with_a_message(tmp_path, data_cache):

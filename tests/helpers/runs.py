@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "yaml_configs" / "tiny_cpu.yaml"
 # Small enough to run in seconds, large enough that the loss must fall. No wandb: its start costs
@@ -100,3 +102,17 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
                     pass
         time.sleep(0.05)
     raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def ranks_of(run_root: Path) -> list[psutil.Process]:
+    """Live `megabam train` processes of the runs under `run_root`."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if (
+            "megabam.cli train" in cmdline
+            and f"run.output_dir={run_root}" in cmdline
+            and "torch.distributed.run" not in cmdline
+        ):
+            found.append(p)
+    return found

@@ -1,9 +1,16 @@
-"""A signal during start-up exits 75 with its message even when Python swallows the handler's exit or a
-library has pointed standard error elsewhere for a moment."""
+"""Signals: one during start-up exits 75 with its message even when Python swallows the handler's exit
+or a library has pointed standard error elsewhere for a moment; Ctrl-C asks for a checkpoint and a
+second one stops at once; `megabam launch` passes signals to its job and exits with the job's code."""
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+
+import pytest
 
 SCRIPT = textwrap.dedent(
     """
@@ -56,3 +63,71 @@ def test_a_start_up_signal_while_stderr_points_at_a_probe_file_still_says_why(tm
     assert result.stderr == "megabam: SIGTERM during start-up; nothing to save, exit 75 (requeue)\n"
     (probe,) = tmp_path.iterdir()
     assert probe.read_text() == ""
+
+
+FLAG = textwrap.dedent(
+    """
+    import signal
+    from megabam.train.preemption import PreemptionFlag
+
+    with PreemptionFlag() as flag:
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGTERM)  # a preemption after Ctrl-C: still the user's stop
+        print(flag.signal_name, flag.interrupted, flush=True)
+        signal.raise_signal(signal.SIGINT)  # the second Ctrl-C: at once, no checkpoint
+        print("not reached")
+    """
+)
+
+
+def test_ctrl_c_asks_for_a_checkpoint_and_a_second_one_stops_at_once():
+    result = subprocess.run([sys.executable, "-c", FLAG], capture_output=True, text=True, timeout=60)
+    assert result.stdout == "SIGINT True\n"
+    assert result.stderr == "megabam: a second SIGINT; stopping now without a checkpoint, exit 130\n"
+    assert result.returncode == 130
+
+
+PASSING = textwrap.dedent(
+    """
+    import sys
+    from megabam.launch import run_passing_signals
+
+    # The job: says which signal reached it (and exits with the code a rank would), or that its parent died.
+    job = (
+        'trap "echo TERM >> $0; exit 75" TERM; trap "echo USR1 >> $0" USR1; trap "echo INT >> $0; exit 130" INT; '
+        'echo ready >> $0; while true; do sleep 0.05; done'
+    )
+    sys.exit(run_passing_signals(["bash", "-c", job, sys.argv[1]], {"PATH": "/usr/bin:/bin"}))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "signals, code, heard",
+    [
+        ([signal.SIGUSR1, signal.SIGTERM], 75, ["ready", "USR1", "TERM"]),
+        ([signal.SIGINT], 130, ["ready", "INT"]),
+        ([signal.SIGKILL], -9, ["ready", "TERM"]),  # the launcher killed outright: the job is told to stop
+    ],
+    ids=["term", "int", "kill"],
+)
+def test_the_launcher_passes_signals_to_its_job_and_exits_with_its_code(tmp_path, signals, code, heard):
+    """`megabam launch`'s way of running a launch script, with real signals to its own PID."""
+    log = tmp_path / "heard"
+    proc = subprocess.Popen([sys.executable, "-c", PASSING, str(log)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.exists() and "ready" in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for sig in signals:
+            os.kill(proc.pid, sig)
+            time.sleep(0.3)
+        assert proc.wait(timeout=30) == code
+        deadline = time.monotonic() + 10
+        while log.read_text().split() != heard and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert log.read_text().split() == heard
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
