@@ -1,14 +1,12 @@
 """The `megabam` command. Subcommands: train, launch, plan, data, eval, plot, repro, convert."""
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import os
 import signal
 import sys
 import typing
-from pathlib import Path
 
 from megabam import exit_codes, remote_args
 from megabam.config import Config, ConfigError, load_config
@@ -86,15 +84,6 @@ def _die_with_the_launcher() -> None:
     parent_death_signal(signal.SIGKILL)
     if os.getppid() == 1:  # the launcher died before the request took effect
         os._exit(exit_codes.PREEMPTED)
-
-
-def _record_exit_code(code: int) -> None:
-    """Leave this rank's exit code where the launch script reads it (launch/torchrun.sh), which
-    exits with the ranks' common code instead of the launcher's."""
-    folder = os.environ.get("MEGABAM_EXIT_CODE_DIR")
-    if folder:
-        with contextlib.suppress(OSError):
-            Path(folder, f"rank{os.environ.get('RANK', '0')}").write_text(f"{code}\n")
 
 
 def _train(args) -> int:
@@ -205,7 +194,7 @@ def run() -> None:
         code = e.code if isinstance(e.code, int) else 1
         raise
     finally:
-        _record_exit_code(code)
+        exit_codes.record(code)
     sys.exit(code)
 
 

@@ -26,7 +26,8 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # before anything imports torch
     )
 
 import pytest  # noqa: E402
-from helpers.shm import DEEPSPEED, clean_streaming, remove_stale  # noqa: E402
+
+from megabam.data.shm_cleanup import DEEPSPEED, clean_streaming, remove_stale  # noqa: E402
 
 
 @pytest.fixture

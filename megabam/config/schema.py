@@ -61,7 +61,10 @@ class RunConfig:
 
     def check(self, require: Require, key: str) -> None:
         plain = self.name not in ("", ".", "..") and "/" not in self.name and os.sep not in self.name
-        require(plain, f"{key}.name", f"must be a plain directory name, got {self.name!r}")
+        # Control characters (a newline, NUL) break log lines, shells and the OS; 255 bytes is a file
+        # name's limit, and the run's lock file adds 6.
+        plain = plain and self.name.isprintable() and len(self.name.encode()) <= 240
+        require(plain, f"{key}.name", f"must be a plain directory name (printable, ≤ 240 bytes), got {self.name!r}")
 
 
 @dataclass
@@ -233,6 +236,8 @@ class ModelConfig:
         positive(require, f"{key}.norm_eps", self.norm_eps)
         for section in ("attention", "swa"):
             positive(require, f"{key}.{section}.rope_theta", getattr(self, section).rope_theta)
+            # NaN or inf made every step non-finite: all skipped, and a short run ended 0, untrained.
+            positive(require, f"{key}.{section}.ssmax_init", getattr(self, section).ssmax_init)
         require(
             self.d_model % self.n_heads == 0,
             f"{key}.n_heads",

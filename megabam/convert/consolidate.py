@@ -126,7 +126,10 @@ def load_initial_weights(model: Decoder, model_config, folder: Path) -> Checkpoi
         raise ConfigError("<train.init_from>", "train.init_from", f"{folder} has another model: {'; '.join(differ)}")
     from safetensors import safe_open
 
-    files = weight_files(folder)
+    try:
+        files = weight_files(folder)
+    except ValueError as e:
+        raise ConfigError("<train.init_from>", "train.init_from", str(e)) from None
     found = {}
     for file in files:
         with safe_open(folder / file, "pt") as f:

@@ -104,7 +104,7 @@ def _tensors(folder: Path) -> Callable:
         for file in weight_files(folder):
             with safe_open(folder / file, "pt") as f:
                 where.update({key: file for key in f.keys()})
-    except (OSError, SafetensorError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
         raise CheckpointError(f"{folder}: weights not readable ({str(e).splitlines()[0]})") from None
 
     def get(key: str, shape_only: bool = False):

@@ -96,10 +96,19 @@ def write_model(
 
 
 def weight_files(folder: Path) -> list[str]:
-    """The safetensors files of a folder written by `write_model` (or by transformers' save_pretrained)."""
-    if (folder / INDEX).is_file():
-        return sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
-    return [SINGLE]
+    """The safetensors files of a folder written by `write_model` (or by transformers' save_pretrained).
+    ValueError names an index that is not one, or that names a file outside the folder."""
+    if not (folder / INDEX).is_file():
+        return [SINGLE]
+    try:
+        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{folder / INDEX}: not a safetensors index (a weight_map of tensor → file)") from None
+    for name in files:  # an index is data: it may point nowhere but at files beside it
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"{folder / INDEX}: names {name!r}, which is not a file in {folder}")
+    return files
 
 
 def read_model(folder: Path) -> dict[str, Tensor]:

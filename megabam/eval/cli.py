@@ -188,7 +188,7 @@ def _plot_attention(args) -> Path:
     from megabam.eval.plots import passkey_prompt, plot_attention
 
     trained = _trained(args.source)
-    length = args.length or trained.config.data.seq_len
+    length = trained.config.data.seq_len if args.length is None else args.length
     try:
         ids, marks = passkey_prompt(trained, length)
     except PromptTooShort:
@@ -289,6 +289,7 @@ def _niah(args) -> list[str]:
     _require(args.trials >= 1, f"--trials must be at least 1, got {args.trials}")
     _require(all(0.0 <= d <= 1.0 for d in args.depths), f"--depths must lie in [0, 1], got {args.depths}")
     essay = read_text(args.essay) if args.essay else None
+    _require(essay is None or essay.strip() != "", f"--essay {args.essay}: holds no text to hide the needles in")
     trained, out, tag = _load(args)
     seq_len = trained.config.data.seq_len
     lengths = args.lengths or [seq_len, 4 * seq_len]
@@ -321,9 +322,10 @@ def _ppl(args) -> list[str]:
 
     trained, out, tag = _load(args)
     seq_len = trained.config.data.seq_len
-    length = args.length or 4 * seq_len
-    window = args.window or seq_len
-    stride = args.stride or max(1, window // 2)
+    # `is None`, not `or`: an explicit 0 is refused below rather than replaced by the default.
+    length = 4 * seq_len if args.length is None else args.length
+    window = seq_len if args.window is None else args.window
+    stride = max(1, window // 2) if args.stride is None else args.stride
     _require(length >= 2, f"--length must be at least 2, got {length}")
     _require(window >= 2, f"--window must be at least 2, got {window}")
     _require(1 <= stride <= window, f"--stride must lie in [1, --window={window}], got {stride}")

@@ -28,10 +28,14 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
 
 
+MAX_NODES = 100_000  # beyond any cluster built; keeps the layout search to seconds
+
+
 def run_plan(args) -> int:
     try:
-        if args.nodes < 1 or args.gpus_per_node < 1:
-            raise ConfigError("<plan>", "--nodes" if args.nodes < 1 else "--gpus-per-node", "must be at least 1")
+        for flag, value, most in (("--nodes", args.nodes, MAX_NODES), ("--gpus-per-node", args.gpus_per_node, 64)):
+            if not 1 <= value <= most:  # the search grows with the world's divisors: 10⁹ nodes ran for minutes
+                raise ConfigError("<plan>", flag, f"must lie in 1..{most:,}, got {value:,}")
         cfg = load_config(args.config, args.overrides)
         from megabam.plan.planner import plan
 

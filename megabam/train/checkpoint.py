@@ -37,10 +37,15 @@ META_FILE = "megabam.json"
 MANIFEST_FILE = "manifest.json"
 TAG = re.compile(r"^step_(\d{8})$")
 META_VERSION = 1
+DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies beside checkpoints
 
 
 class CheckpointError(ValueError):
     """A checkpoint file megabam cannot use; the message names the file."""
+
+
+class NewerMeta(CheckpointError):
+    """Metadata of a newer megabam: not damage (the previous checkpoint is no answer), an upgrade is."""
 
 
 @dataclass
@@ -79,7 +84,7 @@ class CheckpointMeta:
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise CheckpointError(f"{path}: version must be a non-negative integer, got {version!r}")
         if version > META_VERSION:
-            raise CheckpointError(
+            raise NewerMeta(
                 f"{path}: written by a newer megabam (metadata version {version}; this one reads "
                 f"up to {META_VERSION}); upgrade megabam to resume or convert it"
             )
@@ -136,6 +141,10 @@ def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int) -> Path:
         write_json(tmp / f"rng_rank{rank:05d}.json", rng.capture())
         if rank == 0:
             _write_text_atomic(tmp / META_FILE, meta.to_json())
+            # DeepSpeed copies its recovery scripts beside the checkpoints at every save; zero_to_fp32.py
+            # unpickles with weights_only=False. `megabam convert consolidate` reads these checkpoints.
+            for script in DEEPSPEED_SCRIPTS:
+                (root / script).unlink(missing_ok=True)
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
         failure = e
     _all_written(failure, root, tag, engine.device)

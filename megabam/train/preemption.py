@@ -6,6 +6,7 @@ SIGINT aborts at once."""
 import os
 import signal
 import sys
+import threading
 
 from megabam import exit_codes
 
@@ -15,6 +16,9 @@ _at_start_up: str | None = None
 # probes (OpBuilder.has_function) point file descriptor 2 at a temporary file they then delete, and a
 # signal in that moment printed its message there (seen: exit 75 with no word why).
 _stderr: int | None = None
+_started = False  # PreemptionFlag took over: the steps began
+_announced: list[str] = []
+_announce_lock = threading.RLock()  # a handler may interrupt its own thread holding it
 
 
 def exit_code(signal_name: str) -> int:
@@ -29,12 +33,28 @@ def _say(message: str) -> None:
 
 
 def handle_start_up_signals() -> None:
-    """Until PreemptionFlag takes over for the steps, its signals exit at once (exit_at_start_up)."""
+    """Until PreemptionFlag takes over for the steps, its signals exit at once (exit_at_start_up), also
+    while the main thread is inside a blocking call (_watch_start_up)."""
     global _stderr
-    if _stderr is None:
-        _stderr = os.dup(2)
     for sig in PreemptionFlag.SIGNALS:
         signal.signal(sig, exit_at_start_up)
+    if _stderr is None:  # once per process
+        _stderr = os.dup(2)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        threading.Thread(target=_watch_start_up, args=(read,), name="megabam-start-up-signals", daemon=True).start()
+
+
+def _watch_start_up(wakeup: int) -> None:
+    """Python runs a signal's handler in the main thread between two bytecodes only, so a rank blocked
+    in C++ (the process-group rendezvous waiting for a peer that already left, an op build) ignored
+    SIGTERM until torchrun killed it 30 s later. The interpreter's own C handler writes each signal's
+    number to the wakeup pipe at once: this thread reads it and ends the process during start-up."""
+    while byte := os.read(wakeup, 1):
+        if byte[0] in PreemptionFlag.SIGNALS and not _started:
+            exit_codes.record(_announce(signal.Signals(byte[0]).name))
+            os._exit(exit_code(signal.Signals(byte[0]).name))
 
 
 def exit_at_start_up(signum, frame) -> None:
@@ -42,10 +62,18 @@ def exit_at_start_up(signum, frame) -> None:
     PreemptionFlag takes over for the steps."""
     global _at_start_up
     _at_start_up = signal.Signals(signum).name
-    code = exit_code(_at_start_up)
-    requeue = " (requeue)" if code == exit_codes.PREEMPTED else ""
-    _say(f"megabam: {_at_start_up} during start-up; nothing to save, exit {code}{requeue}")
-    sys.exit(code)
+    sys.exit(_announce(_at_start_up))
+
+
+def _announce(name: str) -> int:
+    """Say that signal `name` stopped the start-up (once, whoever sees it first); its exit code."""
+    code = exit_code(name)
+    with _announce_lock:
+        if not _announced:
+            _announced.append(name)
+            requeue = " (requeue)" if code == exit_codes.PREEMPTED else ""
+            _say(f"megabam: {name} during start-up; nothing to save, exit {code}{requeue}")
+    return code
 
 
 class PreemptionFlag:
@@ -59,8 +87,10 @@ class PreemptionFlag:
         self._previous = {}
 
     def __enter__(self):
+        global _started
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        _started = True
         # Python ignores an exception raised by a handler that runs inside a weakref callback or a
         # __del__ (seen: importlib's module-lock callback while importing DeepSpeed), so start-up may
         # have carried on past exit_at_start_up's exit; stop here, before the first step.

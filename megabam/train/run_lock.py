@@ -2,7 +2,8 @@
 
 The lock is `flock` on OUTPUT_DIR/.NAME.lock, which the operating system releases when its holder
 dies (kill -9 included), so a crashed run never leaves it stuck. The file records the holder's host
-and PID, which the refusal of a second start names.
+and PID, which the refusal of a second start names, and is removed when the run (or a refused start)
+lets go of it.
 """
 
 import fcntl
@@ -24,14 +25,23 @@ class RunLock:
     def try_acquire(self) -> str | None:
         """Take the lock; None when taken, else who holds it ("host H, pid P")."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = self.path.open("a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().split()
+        while True:
+            f = self.path.open("a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().split()
+                f.close()
+                return f"host {holder[0]}, pid {holder[1]}" if len(holder) == 2 else "a process that has not said who"
+            # The holder before removes the file as it lets go (release): a lock won on a file no longer
+            # at the path guards nothing, so take the one there now.
+            try:
+                if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
             f.close()
-            return f"host {holder[0]}, pid {holder[1]}" if len(holder) == 2 else "a process that has not said who"
         f.seek(0)
         f.truncate()
         f.write(f"{socket.gethostname()} {os.getpid()}\n")
@@ -47,6 +57,7 @@ class RunLock:
 
     def release(self) -> None:
         if self._file is not None:
+            self.path.unlink(missing_ok=True)  # while still held: nothing of a run (or a refused start) stays
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None

@@ -25,6 +25,7 @@ from megabam.config.schema import expand_pattern
 from megabam.data.errors import DataError
 from megabam.data.loader import build_loader
 from megabam.data.passkey import passkey_sample
+from megabam.data.shm_cleanup import clean_streaming
 from megabam.data.tokenizer import (
     HF_CONFIG,
     TOKENIZER_FILES,
@@ -255,6 +256,11 @@ class Trainer:
             vocab_size=cfg.model.vocab_size,
             replication=self.topology.layout.replication,
         )
+        # What streaming jobs killed outright left in /dev/shm (it never frees them): only this user's
+        # segments that no live process maps, and none younger than a few seconds.
+        removed = clean_streaming()
+        if removed:
+            log.info(f"removed {removed} shared-memory segments that dead streaming jobs left in /dev/shm")
         self.train_loader = build_loader(data.train, shuffle=True, num_workers=cfg.data.num_workers, **loader)
         if len(self.train_loader) == 0:  # streaming would yield nothing, and the loop wait for ever
             raise ConfigError(
@@ -309,7 +315,14 @@ class Trainer:
         is allowed; one that fails to load is reported and the previous one tried."""
         root = checkpoint.checkpoint_root(self.run_dir)
         for tag in checkpoint.valid_tags(self.run_dir, log.info):
-            saved = checkpoint.read_meta(self.run_dir, tag)
+            try:
+                saved = checkpoint.read_meta(self.run_dir, tag)
+            except checkpoint.NewerMeta:
+                raise
+            except checkpoint.CheckpointError as e:  # garbled metadata its manifest vouches for: damage
+                done = checkpoint.set_aside(self.run_dir, tag)
+                log.info(f"checkpoint {root / tag} is unusable ({e}); {done}")
+                continue
             if saved.step > self.cfg.train.steps:
                 raise RunDirError(
                     f"{root / tag}: the checkpoint is at step {saved.step}, beyond train.steps={self.cfg.train.steps}; "

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.shm import clean_streaming
 
 from megabam.data.errors import DataError
 from megabam.data.loader import build_loader
 from megabam.data.mixture import StreamSpec
 from megabam.data.packing import pack_documents
 from megabam.data.shards import write_mds
+from megabam.data.shm_cleanup import clean_streaming
 from megabam.parallel.layout import ParallelLayout
 from megabam.parallel.ranks import free_port, rank_environment
 

@@ -16,6 +16,7 @@ from helpers.runs import logged, megabam_train, ranks_of, start_train, wait_for_
 
 from megabam.cli import main
 from megabam.data.corpus import python_stdlib_documents
+from megabam.data.shm_cleanup import MIN_AGE_S
 from megabam.data.tokenizer import train_tokenizer
 from megabam.parallel.distributed import default_extensions_dir
 
@@ -56,7 +57,7 @@ def test_a_validation_split_smaller_than_a_micro_batch_is_refused_or_turned_off(
         "rank, fewer than one micro-batch of 8 (train.micro_batch_size): prepare more validation data (data "
         "prepare --val-fraction) or set train.eval_batches=0 to train without validation"
     )
-    assert not (tmp_path / "small").exists()
+    assert not (tmp_path / "small").exists() and not (tmp_path / ".small.lock").exists()  # nothing left behind
     off = megabam_train(tmp_path, data_cache, "run.name=small", *mds, "train.eval_batches=0", "train.steps=3")
     assert "val loss        off (train.eval_batches=0)" in off.stdout and "nan" not in off.stdout
     assert sorted(logged(tmp_path / "small", "loss")) == [1, 2, 3] and not logged(tmp_path / "small", "val_loss")
@@ -72,8 +73,10 @@ def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(tmp_path
         assert second.returncode == 2
         last = second.stderr.strip().splitlines()[-1]
         assert f"{tmp_path / 'shared'}: in use by another run (host " in last and f", pid {first.pid})" in last
+        assert (tmp_path / ".shared.lock").exists()  # the refused start let the first run's lock be
         first.send_signal(signal.SIGTERM)  # the first run is untouched: it still saves and stops cleanly
         assert first.wait(timeout=300) == 75
+        assert not (tmp_path / ".shared.lock").exists()
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
@@ -97,6 +100,9 @@ def test_lowering_train_steps_on_resume_keeps_every_checkpoint(tmp_path, data_ca
     last = result.stderr.strip().splitlines()[-1]
     assert last.endswith("is at step 6, beyond train.steps=4; nothing to do (raise train.steps to train on)")
     assert digests(checkpoints) == before
+    # Neither the run nor the refused start left its lock; DeepSpeed's recovery scripts (which unpickle
+    # with weights_only=False) are not kept beside the checkpoints.
+    assert not (tmp_path / ".done.lock").exists() and not list(checkpoints.glob("zero_to_*.py"))
     # The same step count again is a finished run: its stored summary, and nothing trained or written.
     run, stored = tmp_path / "done", json.loads((tmp_path / "done" / "summary.json").read_text())
     files = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
@@ -251,3 +257,24 @@ def test_a_full_disk_during_a_save_says_the_previous_checkpoint_is_intact(tmp_pa
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_shared_memory_a_killed_job_left_is_removed_by_the_next_start(tmp_path, data_cache):
+    """kill -9 of a whole training job leaves streaming's /dev/shm segments (nothing frees them); the
+    next start removes the ones no live process maps."""
+    proc = start_train(
+        tmp_path, data_cache, "run.name=shm", "train.steps=100000", "checkpoint.every=0", log=tmp_path / "shm.log"
+    )
+    try:
+        wait_for_step(tmp_path / "shm", 1, proc)
+        (rank,) = ranks_of(tmp_path)
+        segments = {line.split()[-1] for line in Path(f"/proc/{rank.pid}/maps").read_text().splitlines()}
+        segments = {s for s in segments if s.startswith("/dev/shm/") and s[9:15].isdigit()}
+        assert segments
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert all(Path(s).exists() for s in segments)  # left behind
+    time.sleep(MIN_AGE_S)  # the cleanup spares segments younger than this (a job may be creating them)
+    megabam_train(tmp_path, data_cache, "run.name=again", "train.steps=3", "eval.passkey_samples=0")
+    assert not any(Path(s).exists() for s in segments)

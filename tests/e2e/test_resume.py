@@ -97,7 +97,8 @@ def six_steps(tmp_path_factory, data_cache):
 
 
 @pytest.mark.parametrize(
-    "damage", ["truncate", "no-manifest", "manifest-without-files", "manifest-a-list", "non-tensor-pickle"]
+    "damage",
+    ["truncate", "no-manifest", "manifest-without-files", "manifest-a-list", "non-tensor-pickle", "garbled-meta"],
 )
 def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, data_cache, damage, six_steps):
     shutil.copytree(six_steps, tmp_path / "damaged")  # each damage on its own copy of one run
@@ -105,12 +106,16 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, data_cache, 
     if damage == "truncate":
         shard = next(newest.glob("*optim_states.pt"))
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    elif damage == "non-tensor-pickle":  # crafted: a pickle weights_only refuses, with a manifest to match
-        states = next(newest.glob("*model_states.pt"))
-        torch.save({"module": NotATensor()}, states)
+    elif damage in ("non-tensor-pickle", "garbled-meta"):  # crafted, with a manifest to match
+        if damage == "non-tensor-pickle":  # a pickle weights_only refuses
+            changed = next(newest.glob("*model_states.pt"))
+            torch.save({"module": NotATensor()}, changed)
+        else:  # metadata that is no JSON
+            changed = newest / "megabam.json"
+            changed.write_bytes(b"\x00{ not json")
         manifest = json.loads((newest / "manifest.json").read_text())
-        digest = xxhash.xxh3_128(states.read_bytes()).hexdigest()
-        manifest["files"][states.name] = {"bytes": states.stat().st_size, "xxh3_128": digest}
+        digest = xxhash.xxh3_128(changed.read_bytes()).hexdigest()
+        manifest["files"][changed.name] = {"bytes": changed.stat().st_size, "xxh3_128": digest}
         (newest / "manifest.json").write_text(json.dumps(manifest))
     elif damage == "no-manifest":
         (newest / "manifest.json").unlink()

@@ -139,6 +139,12 @@ def test_unusable_config_files_are_one_line_errors(tmp_path, content, message):
         ("run.name=.", "run.name"),
         ("run.name=..", "run.name"),
         ("run.name=a/b", "run.name"),
+        ("model.attention.ssmax_init=.nan", "model.attention.ssmax_init"),
+        ("model.attention.ssmax_init=.inf", "model.attention.ssmax_init"),
+        ("model.swa.ssmax_init=0", "model.swa.ssmax_init"),
+        ('run.name="a\\nb"', "run.name"),
+        ('run.name="a\\0b"', "run.name"),
+        ("run.name=" + "x" * 241, "run.name"),
     ],
 )
 def test_non_finite_non_positive_and_path_like_values_are_refused(override, key):

@@ -6,6 +6,7 @@ checkpoints that real parallel training wrote (tests/e2e/test_convert_parallel.p
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -257,7 +258,7 @@ def test_from_hf_brings_an_export_back_bit_for_bit(tmp_path, name, tokenizer_run
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_a_transformers_llama_imports_with_its_logits(tmp_path, tied):
+def test_a_transformers_llama_imports_with_its_logits(tmp_path, tied, capsys):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -289,6 +290,16 @@ def test_a_transformers_llama_imports_with_its_logits(tmp_path, tied):
     LlamaForCausalLM(config).save_pretrained(tmp_path / "scaled")
     assert main(["convert", "from-hf", str(tmp_path / "scaled"), str(tmp_path / "o")]) == 2
     assert not (tmp_path / "o").exists()
+    # A safetensors index is data: one naming a file outside its folder is refused, never followed.
+    shutil.copytree(tmp_path / "llama", tmp_path / "escape")
+    weights = tmp_path / "escape" / "model.safetensors"
+    weights.rename(tmp_path / "outside.safetensors")
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "../outside.safetensors"}}
+    (tmp_path / "escape" / "model.safetensors.index.json").write_text(json.dumps(index))
+    capsys.readouterr()
+    assert main(["convert", "from-hf", str(tmp_path / "escape"), str(tmp_path / "o")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "names '../outside.safetensors', which is not a file in" in line and not (tmp_path / "o").exists()
 
 
 def test_a_run_starts_only_from_weights_of_its_own_architecture(tmp_path, shared_run):

@@ -281,7 +281,7 @@ def test_streaming_imports_without_its_tokenizer_and_vision_parts():
 def test_shared_memory_cleanup_spares_a_segment_created_during_its_scan(monkeypatch):
     """A segment another test's job creates while the cleanup reads the processes' maps (a streaming
     leader sharing an epoch, its other rank about to attach) is not the cleanup's to remove."""
-    import helpers.shm as shm
+    import megabam.data.shm_cleanup as shm
 
     new = f"/dev/shm/megabam_test_{os.getpid()}_new"
     real = shm.mapped_by_others
@@ -300,8 +300,8 @@ def test_shared_memory_cleanup_spares_a_segment_created_during_its_scan(monkeypa
 
 
 def test_shared_memory_cleanup_spares_what_another_live_process_maps():
-    """tests/helpers/shm.py: two test workers clean /dev/shm without breaking each other."""
-    from helpers.shm import remove_stale
+    """megabam/data/shm_cleanup.py: two test workers clean /dev/shm without breaking each other."""
+    from megabam.data.shm_cleanup import remove_stale
 
     held, stale = (f"/dev/shm/megabam_test_{os.getpid()}_{name}" for name in ("held", "stale"))
     for path in (held, stale):
@@ -326,7 +326,7 @@ def test_shared_memory_cleanup_spares_a_young_segment_nobody_maps_yet():
     """A segment listed between its creation and its creator's mmap (shm_open, ftruncate, mmap: a job
     of the other test worker, or of a second copy of the suite, at any moment) is not stale; one as
     old, unmapped, left by a finished process is."""
-    from helpers.shm import MIN_AGE_S, remove_stale
+    from megabam.data.shm_cleanup import MIN_AGE_S, remove_stale
 
     young, old = (f"/dev/shm/megabam_test_{os.getpid()}_{name}" for name in ("young", "old"))
     for path in (young, old):

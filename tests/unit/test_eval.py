@@ -240,6 +240,11 @@ def test_eval_reads_the_newest_checkpoint_that_verifies(tmp_path, capsys):
         (["eval", "ppl", "{run}", "--text", "{missing}"], "cannot read"),
         (["eval", "ppl", "{run}", "--dataset", "{run}"], "not an MDS dataset"),
         (["eval", "ppl", "{run}", "--text", "{text}", "--stride", "100"], "--stride must lie in [1, --window=64]"),
+        # An explicit 0 is refused, never replaced by the default.
+        (["eval", "ppl", "{run}", "--text", "{text}", "--length", "0"], "--length must be at least 2, got 0"),
+        (["eval", "ppl", "{run}", "--text", "{text}", "--window", "0"], "--window must be at least 2, got 0"),
+        (["eval", "ppl", "{run}", "--text", "{text}", "--stride", "0"], "--stride must lie in [1, --window=64], got 0"),
+        (["eval", "niah", "{run}", "--essay", "{empty}"], "holds no text to hide the needles in"),
         (
             ["eval", "ppl", "{run}", "--text", "{text}", "--length", "5000", "--max-tokens", "9000"],
             "fewer than --length",
@@ -252,7 +257,9 @@ def test_eval_reads_the_newest_checkpoint_that_verifies(tmp_path, capsys):
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message, shared_run):
     text = tmp_path / "short.txt"
     text.write_text("def f(x):\n    return x\n" * 20)
+    (tmp_path / "empty.txt").write_text("\n")
     names = {"missing": tmp_path / "nothing", "run": shared_run, "text": text, "tmp": tmp_path}
+    names["empty"] = tmp_path / "empty.txt"
     assert main([a.format(**names) for a in args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err

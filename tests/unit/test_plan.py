@@ -156,6 +156,10 @@ def test_plan_command_prints_tables_and_json_and_names_bad_input(tmp_path):
     assert result["config_layout"]["fits"] and sum(result["parameters"].values()) == 123_587_904
     bad = subprocess.run([*cmd, "model.n_heads=7", "--gpu", "h100-80gb"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "model.n_heads" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    huge = subprocess.run(
+        [*cmd, "--gpu", "h100-80gb", "--nodes", str(10**9)], capture_output=True, text=True, timeout=60
+    )
+    assert huge.returncode == 2 and huge.stderr.strip().endswith("--nodes: must lie in 1..100,000, got 1,000,000,000")
 
 
 def test_meta_model_holds_no_memory():
