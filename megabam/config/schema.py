@@ -39,6 +39,16 @@ def positive(require: Require, key: str, value: float) -> None:
     require(math.isfinite(value) and value > 0, key, f"must be a finite positive number, got {value}")
 
 
+# Bounds far beyond any model trained, so a typo (10⁹, 2·10⁹) is refused in one line instead of asking
+# for terabytes (seen: a 2·10⁹ vocabulary tried to allocate 524 TB).
+MAX_TOKENS = 2**24  # a sequence, a vocabulary
+MAX_SEED = 2**32 - 1  # numpy's seeds: 0..2³²−1
+
+
+def at_most(require: Require, key: str, value: int, most: int, what: str) -> None:
+    require(value <= most, key, f"must be at most {most:,} ({what}), got {value:,}")
+
+
 def at_least_one(require: Require, pairs: list[tuple[str, int]]) -> None:
     for key, value in pairs:
         require(value >= 1, key, f"must be at least 1, got {value}")
@@ -60,6 +70,7 @@ class RunConfig:
     seed: int = doc(1234, "Seed of model initialisation and data shuffling.")
 
     def check(self, require: Require, key: str) -> None:
+        require(0 <= self.seed <= MAX_SEED, f"{key}.seed", f"must lie in 0..{MAX_SEED}, got {self.seed}")
         plain = self.name not in ("", ".", "..") and "/" not in self.name and os.sep not in self.name
         # Control characters (a newline, NUL) break log lines, shells and the OS; 255 bytes is a file
         # name's limit, and the run's lock file adds 6.
@@ -232,6 +243,7 @@ class ModelConfig:
                 (f"{key}.attention.block_size", self.attention.block_size),
             ],
         )
+        at_most(require, f"{key}.vocab_size", self.vocab_size, MAX_TOKENS, "pieces")
         positive(require, f"{key}.init_std", self.init_std)
         positive(require, f"{key}.norm_eps", self.norm_eps)
         for section in ("attention", "swa"):
@@ -426,6 +438,7 @@ class DataConfig:
 
     def check(self, require: Require, key: str) -> None:
         at_least_one(require, [(f"{key}.seq_len", self.seq_len), (f"{key}.corpus_bytes", self.corpus_bytes)])
+        at_most(require, f"{key}.seq_len", self.seq_len, MAX_TOKENS, "tokens per sequence")
         require(
             0 <= self.passkey_fraction < 1,
             f"{key}.passkey_fraction",

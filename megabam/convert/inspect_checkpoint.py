@@ -5,7 +5,7 @@ Step, tokens and samples seen, a config summary, the parallel layout, every weig
 manifest verified (a checkpoint whose manifest does not verify is refused with the reason).
 """
 
-from megabam.convert.reader import CheckpointReader, load_weights_file, model_states_file
+from megabam.convert.reader import OPTIMIZER_FILE, CheckpointReader, load_weights_file, model_states_file
 from megabam.train.checkpoint import MANIFEST_FILE
 
 
@@ -24,6 +24,15 @@ def inspect(source) -> dict:
             if hasattr(v, "shape")
         ]
     optimizer = reader.optimizer_files()
+    # ZeRO writes a partition per data-parallel rank and model-parallel rank (tensor × pipeline).
+    expected = (data or 1) * reader.tp * reader.pp
+    have = {tuple(map(int, OPTIMIZER_FILE.match(f).groups())) for f in optimizer}
+    missing = [
+        f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"
+        for d in range(data or 1)
+        for m in range(reader.tp * reader.pp)
+        if (d, m) not in have
+    ]
     m, a = c.model, c.model.attention
     return {
         "checkpoint": str(reader.path),
@@ -51,7 +60,7 @@ def inspect(source) -> dict:
             "zero_stage": c.parallel.zero_stage,
             "precision": c.train.precision,
         },
-        "optimizer_state": {"present": bool(optimizer), "files": optimizer},
+        "optimizer_state": {"present": bool(optimizer), "files": optimizer, "expected": expected, "missing": missing},
         "files": files,
     }
 
@@ -69,7 +78,9 @@ def report_lines(report: dict) -> list[str]:
         f"trained at {m['seq_len']} tokens",
         f"layout         tensor {L['tensor']} × pipeline {L['pipeline']} × data {L['data'] or '?'} · "
         f"ZeRO {L['zero_stage']} · {L['precision']}",
-        "optimizer      " + (f"present ({len(o['files'])} ZeRO partition files)" if o["present"] else "absent"),
+        "optimizer      "
+        + (f"present ({len(o['files'])} of {o['expected']} ZeRO partition files)" if o["present"] else "absent")
+        + (f"; missing: {', '.join(o['missing'])}" if o["present"] and o["missing"] else ""),
         "tensors",
     ]
     for file, tensors in report["files"].items():

@@ -11,6 +11,7 @@ device: no memory). Files are memory-mapped and read per tensor, so reading the 
 costs about its size, not the checkpoint's. Everything is read with `weights_only=True`.
 """
 
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from megabam.parallel.pipeline_layers import TIED_HEAD, layer_file, locate, pipe
 from megabam.parallel.tensor_parallel import Split, shard, tp_splits, unshard
 from megabam.train.checkpoint import (
     META_FILE,
+    SHARD_KEY,
     CheckpointError,
     CheckpointMeta,
     checkpoint_root,
@@ -33,6 +35,7 @@ from megabam.train.checkpoint import (
     manifest_problems,
 )
 
+MODEL_STATES_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 OPTIMIZER_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
@@ -71,7 +74,7 @@ def load_weights_file(path: Path, data_classes: list | tuple = ()) -> dict:
     try:
         with torch.serialization.safe_globals(list(data_classes)):
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (OSError, RuntimeError, ValueError) as e:
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as e:  # weights_only's refusal
         raise CheckpointError(f"{path}: not readable as weights ({str(e).splitlines()[0]})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
@@ -148,8 +151,24 @@ class CheckpointReader:
             module = state.get("module")
             if not isinstance(module, dict):
                 raise CheckpointError(f"{self.path / file}: holds no 'module' weights")
+            self._check_identity(file, state)
             return {f"module.{k}": v for k, v in module.items()}
         return state
+
+    def _check_identity(self, file: str, state: dict) -> None:
+        """The tensor rank and layout the file's writer recorded (checkpoints from before that: none)
+        against its name and the config: a copy of another rank's file holds tensors of the right
+        names and shapes, and would merge into wrong weights."""
+        shard = state.get(SHARD_KEY)
+        if not shard:
+            return
+        rank = int(MODEL_STATES_FILE.match(file).group(1))
+        wrote = (shard.get("tensor_rank"), shard.get("tensor"), shard.get("pipeline"))
+        if wrote != (rank, self.tp, self.pp):
+            raise CheckpointError(
+                f"{self.path / file}: written by tensor rank {wrote[0]} of a tensor={wrote[1]}, pipeline={wrote[2]} "
+                f"layout, not rank {rank} of tensor={self.tp}, pipeline={self.pp} (a file copied over another?)"
+            )
 
     def check(self) -> None:
         """Every file the layout needs is there and holds exactly the tensors the config's model has, of

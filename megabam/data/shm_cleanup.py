@@ -53,9 +53,9 @@ def _age_s(path: str) -> float:
         return 0.0
 
 
-def remove_stale(pattern: str, only: set[str] | None = None) -> int:
+def remove_stale(pattern: str, only: set[str] | None = None, mine_too: bool = True) -> int:
     """Unlink the files of this user matching `pattern` (among `only`, when given) that no other process
-    maps; return how many went.
+    maps (nor this one, unless `mine_too`); return how many went.
 
     The files are listed before the processes' maps are read: a segment created after the list is
     never a candidate, and one listed is mapped by its creator before the scan reaches it (streaming
@@ -66,6 +66,8 @@ def remove_stale(pattern: str, only: set[str] | None = None) -> int:
     candidates = {path for path in glob.glob(pattern) if _owned(path)}
     live = mapped_by_others()
     mine = _mapped("/proc/self/maps")
+    if not mine_too:
+        live |= mine
     removed = 0
     for path in candidates - live:
         if (only is None or path in only) and (path in mine or _age_s(path) >= MIN_AGE_S):
@@ -77,5 +79,7 @@ def remove_stale(pattern: str, only: set[str] | None = None) -> int:
     return removed
 
 
-def clean_streaming() -> int:
-    return remove_stale(STREAMING)
+def clean_streaming(mine_too: bool = True) -> int:
+    """Streaming's stale segments; a job's start keeps its own (`mine_too=False`), the tests' cleanup
+    between tests takes them."""
+    return remove_stale(STREAMING, mine_too=mine_too)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from megabam import exit_codes
+from megabam.config.schema import MAX_TOKENS
 from megabam.data.niah import VARIANTS
 
 
@@ -232,8 +233,12 @@ def _load(args):
 
     _require((args.source is None) != (args.hf is None), "give a run, checkpoint or folder, or --hf DIR (one of them)")
     _require(args.chunk >= 1, f"--chunk must be at least 1, got {args.chunk}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise BadArgument(f"--device {args.device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
     if not torch.cuda.is_available():
-        _require(not str(args.device).startswith("cuda"), f"--device {args.device}: no CUDA device on this machine")
+        _require(device.type != "cuda", f"--device {args.device}: no CUDA device on this machine")
     trained = load_trained(args.source or args.hf, args.device)
     out = Path(args.out) if args.out else trained.run_dir / "eval"
     return trained, out, trained.tag
@@ -257,7 +262,7 @@ def _passkey(args) -> list[str]:
     trained, out, tag = _load(args)
     seq_len = trained.config.data.seq_len
     lengths = args.lengths or [seq_len, 4 * seq_len, 16 * seq_len]
-    _require(all(n >= 1 for n in lengths), f"--lengths must be positive, got {lengths}")
+    _require(all(1 <= n <= MAX_TOKENS for n in lengths), f"--lengths must lie in 1..{MAX_TOKENS:,}, got {lengths}")
     grid = passkey_grid(
         lambda ids: predict_next(trained.model, ids, args.chunk),
         trained.tokenizer,
@@ -293,7 +298,7 @@ def _niah(args) -> list[str]:
     trained, out, tag = _load(args)
     seq_len = trained.config.data.seq_len
     lengths = args.lengths or [seq_len, 4 * seq_len]
-    _require(all(n >= 1 for n in lengths), f"--lengths must be positive, got {lengths}")
+    _require(all(1 <= n <= MAX_TOKENS for n in lengths), f"--lengths must lie in 1..{MAX_TOKENS:,}, got {lengths}")
     lines, results = [f"RULER NIAH, string_match_all ({args.trials} prompts per cell), {trained.checkpoint}"], []
     for variant in args.variants:
         grid = niah_grid(

@@ -38,6 +38,7 @@ MANIFEST_FILE = "manifest.json"
 TAG = re.compile(r"^step_(\d{8})$")
 META_VERSION = 1
 DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies beside checkpoints
+SHARD_KEY = "megabam_shard"  # in each mp_rank_XX_model_states.pt: {"tensor_rank", "tensor", "pipeline"}
 
 
 class CheckpointError(ValueError):
@@ -120,7 +121,7 @@ def list_tags(run_dir: Path) -> list[str]:
     return sorted(tags, reverse=True)
 
 
-def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int) -> Path:
+def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int, shard: dict | None = None) -> Path:
     """Collective. Every rank writes its DeepSpeed shard and RNG state into a temporary directory;
     the ranks hash the files between them; rank 0 writes metadata and manifest, renames the
     directory into place, moves `latest`, and deletes all but the newest `keep` checkpoints.
@@ -137,7 +138,9 @@ def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int) -> Path:
     dist.barrier()
     failure = None
     try:
-        engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+        # `shard` (this rank's place in the layout) goes into the engine's own model-states file, so a
+        # file copied over another rank's is told apart on read even when a manifest vouches for it.
+        engine.save_checkpoint(str(root), tag=tmp.name, client_state={SHARD_KEY: shard or {}}, save_latest=False)
         write_json(tmp / f"rng_rank{rank:05d}.json", rng.capture())
         if rank == 0:
             _write_text_atomic(tmp / META_FILE, meta.to_json())

@@ -23,10 +23,16 @@ class RunLock:
         self._file = None
 
     def try_acquire(self) -> str | None:
-        """Take the lock; None when taken, else who holds it ("host H, pid P")."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Take the lock; None when taken, else who holds it ("host H, pid P"). RunDirError when the
+        output directory cannot hold it (read-only, not writable)."""
         while True:
-            f = self.path.open("a+")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                f = self.path.open("a+")
+            except OSError as e:
+                raise RunDirError(
+                    f"{self.path.parent}: cannot write the run's lock there ({e.strerror or e})"
+                ) from None
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -258,7 +258,7 @@ class Trainer:
         )
         # What streaming jobs killed outright left in /dev/shm (it never frees them): only this user's
         # segments that no live process maps, and none younger than a few seconds.
-        removed = clean_streaming()
+        removed = clean_streaming(mine_too=False)
         if removed:
             log.info(f"removed {removed} shared-memory segments that dead streaming jobs left in /dev/shm")
         self.train_loader = build_loader(data.train, shuffle=True, num_workers=cfg.data.num_workers, **loader)
@@ -518,7 +518,9 @@ class Trainer:
             wandb_id=self.logger.wandb_id,
             window_sampler=self.sampler.state_dict() if self.sampler is not None else None,
         )
-        path = checkpoint.save(self.engine.deepspeed, self.run_dir, meta, keep=cfg.checkpoint.keep)
+        topo = self.topology
+        shard = {"tensor_rank": topo.tp_rank, "tensor": topo.tp_size, "pipeline": topo.pp_size}
+        path = checkpoint.save(self.engine.deepspeed, self.run_dir, meta, keep=cfg.checkpoint.keep, shard=shard)
         p.last_saved = step
         self.logger.log(step, {"checkpoint_save_s": time.perf_counter() - t0})
         log.info(f"saved {path} in {time.perf_counter() - t0:.2f} s")

@@ -4,11 +4,13 @@ one-process model must give the logits that the parallel model computes after De
 the same checkpoint (tests/helpers/parallel_logits.py), within 1e-5 in fp32."""
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from helpers.checkpoints import resign
 from helpers.parallel_logits import token_ids
 from helpers.runs import ENV, REPO, logged, megabam_train
 
@@ -39,6 +41,7 @@ def test_consolidated_model_gives_the_parallel_models_logits(tmp_path, data_cach
     report = json.loads(capsys.readouterr().out)
     assert report["layout"]["data"] == (2 if layout.startswith("dp2") else 1)
     assert report["optimizer_state"]["present"] and len(report["optimizer_state"]["files"]) == 4
+    assert report["optimizer_state"]["expected"] == 4 and report["optimizer_state"]["missing"] == []
 
     out = tmp_path / "consolidated"
     assert main(["convert", "consolidate", str(tmp_path / layout), str(out)]) == 0
@@ -69,3 +72,29 @@ def test_a_new_run_starts_from_a_consolidated_folder(tmp_path, data_cache):
     assert continued[1] == pytest.approx(source[3], rel=1e-6)
     fresh = megabam_train(tmp_path, data_cache, "run.name=fresh", "train.steps=1", "schedule.warmup_steps=0")
     assert fresh.returncode == 0 and logged(tmp_path / "fresh", "val_loss")[1] != pytest.approx(source[3], rel=1e-3)
+
+
+def test_a_missing_zero_partition_and_a_tensor_rank_file_copied_over_another_are_named(tmp_path, data_cache, capsys):
+    """Both with a manifest re-signed to match: inspect names the missing partition; every reader refuses
+    rank 1's weights file when it is rank 0's (the same names and shapes, different values: merged, it
+    gave wrong weights with exit 0)."""
+    megabam_train(tmp_path, data_cache, "run.name=tp", "train.steps=3", "parallel.tensor=2", nproc=2)
+    ckpt = tmp_path / "tp" / "checkpoints" / "step_00000003"
+    gone = sorted(ckpt.glob("*optim_states.pt"))[-1]
+    gone.unlink()
+    resign(ckpt)
+    capsys.readouterr()
+    assert main(["convert", "inspect", str(ckpt)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("optimizer"))
+    assert line.endswith(f"present (1 of 2 ZeRO partition files); missing: {gone.name}")
+
+    shutil.copy(ckpt / "mp_rank_00_model_states.pt", ckpt / "mp_rank_01_model_states.pt")
+    resign(ckpt)
+    for cmd in (["inspect", str(ckpt)], ["consolidate", str(ckpt), str(tmp_path / "out")]):
+        assert main(["convert", *cmd]) == 2
+        (err,) = capsys.readouterr().err.strip().splitlines()
+        assert err.endswith(
+            "mp_rank_01_model_states.pt: written by tensor rank 0 of a tensor=2, pipeline=1 layout, not rank 1 "
+            "of tensor=2, pipeline=1 (a file copied over another?)"
+        ), err
+    assert not (tmp_path / "out").exists()

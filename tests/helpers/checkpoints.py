@@ -55,10 +55,16 @@ def write_run(root: Path, *overrides: str, step: int = 10, tokenizer_from: Path 
         window_sampler=None,
     )
     (ckpt / META_FILE).write_text(meta.to_json())
-    files = {p.name: _digest(p) for p in ckpt.iterdir()}
-    (ckpt / MANIFEST_FILE).write_text(json.dumps({"files": files}))
+    resign(ckpt)
     (root / "checkpoints" / "latest").write_text(tag_for(step))
     return root, model.eval()
+
+
+def resign(ckpt: Path) -> None:
+    """Make the manifest vouch for the checkpoint folder as it now is (what a careless copy tool or a
+    forger does)."""
+    files = {p.name: _digest(p) for p in ckpt.iterdir() if p.is_file() and p.name != MANIFEST_FILE}
+    (ckpt / MANIFEST_FILE).write_text(json.dumps({"files": files}))
 
 
 def shard_model(model: Decoder, rank: int, size: int) -> Decoder:

@@ -145,6 +145,10 @@ def test_unusable_config_files_are_one_line_errors(tmp_path, content, message):
         ('run.name="a\\nb"', "run.name"),
         ('run.name="a\\0b"', "run.name"),
         ("run.name=" + "x" * 241, "run.name"),
+        ("run.seed=-1", "run.seed"),
+        ("run.seed=100000000000000000000", "run.seed"),
+        ("data.seq_len=1000000000", "data.seq_len"),
+        ("model.vocab_size=2000000000", "model.vocab_size"),
     ],
 )
 def test_non_finite_non_positive_and_path_like_values_are_refused(override, key):

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from helpers.checkpoints import shard_model, write_run
+from helpers.checkpoints import resign, shard_model, write_run
 from safetensors import safe_open
 
 from megabam.cli import main
@@ -333,3 +333,25 @@ def shared_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tokenizer_run(shared_run):
     return shared_run / "tokenizer.model"
+
+
+class NotATensor:
+    """Any object but tensors and plain data: what a crafted checkpoint file might hold."""
+
+
+def test_a_signed_checkpoint_file_holding_a_non_tensor_pickle_is_one_line_everywhere(tmp_path, capsys, shared_run):
+    """weights_only refuses it with an UnpicklingError, which escaped the reader as a traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(shared_run, run)
+    ckpt = run / "checkpoints" / "step_00000010"
+    torch.save({"module": NotATensor()}, ckpt / "mp_rank_00_model_states.pt")
+    resign(ckpt)
+    capsys.readouterr()
+    for cmd in (
+        ["convert", "consolidate", str(run), str(tmp_path / "out")],
+        ["convert", "inspect", str(run)],
+        ["eval", "passkey", str(run), "--lengths", "300"],
+    ):
+        assert main(cmd) == 2, cmd
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "mp_rank_00_model_states.pt: not readable as weights (Weights only load failed" in line, line
