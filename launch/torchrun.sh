@@ -46,7 +46,8 @@ trap '' TERM USR1 INT
 export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGHUP,SIGQUIT
 dies_with_me=()
 command -v setpriv >/dev/null && dies_with_me=(setpriv --pdeathsig KILL --)
-"${dies_with_me[@]}" "$python" -m torch.distributed.run "${rdzv[@]}" "${logs[@]}" --nproc-per-node="$nproc" \
+# torchrun through megabam/parallel/torchrun.py: without its 40-line report when the ranks said why.
+"${dies_with_me[@]}" "$python" -m megabam.parallel.torchrun "${rdzv[@]}" "${logs[@]}" --nproc-per-node="$nproc" \
   -m megabam.cli train "$@" &
 launcher=$!
 forward() { pkill -"$1" -P "$launcher" 2>/dev/null || true; }

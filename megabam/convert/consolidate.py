@@ -124,25 +124,30 @@ def load_initial_weights(model: Decoder, model_config, folder: Path) -> Checkpoi
     differ = _differences(model_config, theirs)
     if differ:
         raise ConfigError("<train.init_from>", "train.init_from", f"{folder} has another model: {'; '.join(differ)}")
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         files = weight_files(folder)
     except ValueError as e:
         raise ConfigError("<train.init_from>", "train.init_from", str(e)) from None
     found = {}
-    for file in files:
-        with safe_open(folder / file, "pt") as f:
-            found.update({name: file for name in f.keys()})
     state = model.state_dict()
-    if set(found) != set(state):
-        missing = sorted(set(state) - set(found)) or sorted(set(found) - set(state))
-        raise CheckpointError(f"{folder}: its tensors do not match the model's (first differing: {missing[0]})")
-    with torch.no_grad():
-        for name, target in state.items():
-            with safe_open(folder / found[name], "pt") as f:
-                value = f.get_tensor(name)
-            if value.shape != target.shape:
-                raise CheckpointError(f"{folder}: {name} has shape {list(value.shape)}, the model {list(target.shape)}")
-            target.copy_(value)
+    try:  # a file missing, cut short or with a header pointing past its end: one line, naming the folder
+        for file in files:
+            with safe_open(folder / file, "pt") as f:
+                found.update({name: file for name in f.keys()})
+        if set(found) != set(state):
+            missing = sorted(set(state) - set(found)) or sorted(set(found) - set(state))
+            raise CheckpointError(f"{folder}: its tensors do not match the model's (first differing: {missing[0]})")
+        with torch.no_grad():
+            for name, target in state.items():
+                with safe_open(folder / found[name], "pt") as f:
+                    value = f.get_tensor(name)
+                if value.shape != target.shape:
+                    raise CheckpointError(
+                        f"{folder}: {name} has shape {list(value.shape)}, the model {list(target.shape)}"
+                    )
+                target.copy_(value)
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{folder}: weights not readable ({str(e).splitlines()[0]})") from None
     return CheckpointMeta.read(folder / META_FILE)

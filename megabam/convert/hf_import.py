@@ -55,7 +55,14 @@ def from_hf(folder: Path, out: Path, overwrite: bool = False) -> list[str]:
             f"{folder / 'config.json'}: model_type {kind!r}; from-hf imports {', '.join(sorted(readers))} models"
         )
     check_output(out, overwrite, folder)
-    source = readers[kind](folder, hf_config)
+    try:
+        source = readers[kind](folder, hf_config)
+    except CheckpointError:
+        raise
+    except KeyError as e:  # a config.json written by hand or by another tool
+        raise CheckpointError(f"{folder / 'config.json'}: has no {e.args[0]!r}, which a {kind} config needs") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise CheckpointError(f"{folder / 'config.json'}: a value of the wrong type or range ({e})") from None
     tokenizer = None
     if source.tokenizer is not None:  # checked before anything is written
         try:

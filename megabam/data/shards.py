@@ -1,5 +1,6 @@
 """Writing packed samples as mosaicml-streaming MDS shards, and checking shards against their index."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -162,6 +163,18 @@ def verify_shards(mds_dir: str | os.PathLike, hashes: bool = True) -> int:
     return len(shards)
 
 
+@contextlib.contextmanager
+def _undecodable(path: Path, what: str):
+    """Bytes of a shard's right size (and, its index re-signed, hash) that are no shard: whatever the
+    decoder raises becomes one line naming the file."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"{path}: not a readable MDS shard, cannot be {what} ({type(e).__name__}: {e})"[:300]) from None
+
+
 def iter_mds_samples(mds_dir: str | os.PathLike, limit: int | None = None) -> Iterator[dict]:
     """The samples of ``mds_dir`` in order (at most ``limit``), compressed shards included.
 
@@ -184,13 +197,16 @@ def iter_mds_samples(mds_dir: str | os.PathLike, limit: int | None = None) -> It
                     raise DataError(f"{mds_dir / raw}: shard file missing")
                 data = (mds_dir / shard["zip_data"]["basename"]).read_bytes()
                 (Path(tmp) / raw).parent.mkdir(parents=True, exist_ok=True)
-                (Path(tmp) / raw).write_bytes(decompress(shard["compression"], data))
+                with _undecodable(mds_dir / shard["zip_data"]["basename"], "decompressed"):
+                    (Path(tmp) / raw).write_bytes(decompress(shard["compression"], data))
                 where = Path(tmp)
             reader = reader_from_json(str(where), None, shard)
             for i in range(reader.samples):
                 if limit is not None and count >= limit:
                     return
-                yield reader.get_item(i)
+                with _undecodable(mds_dir / raw, f"read at sample {i}"):
+                    item = reader.get_item(i)
+                yield item
                 count += 1
             if where != mds_dir:
                 (Path(tmp) / raw).unlink()

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 import xxhash
-from helpers.runs import losses, megabam_train, start_train, wait_for_step
+from helpers.runs import is_rank, losses, megabam_train, start_train, wait_for_step
 
 STEPS = 14
 RUN = [
@@ -65,11 +65,7 @@ def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, data
     run_dir = tmp_path / "usr1"
     proc = start_train(tmp_path, data_cache, "run.name=usr1", *RUN, *layout, nproc=2, log=tmp_path / "usr1.log")
     wait_for_step(run_dir, 3, proc)
-    workers = [
-        p
-        for p in psutil.Process(proc.pid).children(recursive=True)
-        if "megabam.cli" in " ".join(p.cmdline()) and "torch.distributed.run" not in " ".join(p.cmdline())
-    ]
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if is_rank(" ".join(p.cmdline()))]
     assert len(workers) == 2
     workers[0].send_signal(signal.SIGUSR1)  # as SLURM's --signal does, but to one rank only
     assert proc.wait(timeout=120) == 75  # the launch script passes the ranks' code on

@@ -104,15 +104,20 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
+def is_rank(cmdline: str) -> bool:
+    """Whether a process's command line is a `megabam train` rank (not its launcher or torchrun)."""
+    return (
+        "megabam.cli train" in cmdline
+        and "torch.distributed.run" not in cmdline
+        and "megabam.parallel.torchrun" not in cmdline
+    )
+
+
 def ranks_of(run_root: Path) -> list[psutil.Process]:
-    """Live `megabam train` processes of the runs under `run_root`."""
+    """Live `megabam train` ranks of the runs under `run_root`."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(p.info["cmdline"] or [])
-        if (
-            "megabam.cli train" in cmdline
-            and f"run.output_dir={run_root}" in cmdline
-            and "torch.distributed.run" not in cmdline
-        ):
+        if is_rank(cmdline) and f"run.output_dir={run_root}" in cmdline:
             found.append(p)
     return found

@@ -300,6 +300,18 @@ def test_a_transformers_llama_imports_with_its_logits(tmp_path, tied, capsys):
     assert main(["convert", "from-hf", str(tmp_path / "escape"), str(tmp_path / "o")]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "names '../outside.safetensors', which is not a file in" in line and not (tmp_path / "o").exists()
+    # A config.json missing a key, or with a width as text: one line each.
+    for name, change, fragment in [
+        ("nokey", lambda c: c.pop("hidden_size"), "has no 'hidden_size', which a llama config needs"),
+        ("text", lambda c: c.update(hidden_size="64"), "a value of the wrong type or range"),
+    ]:
+        shutil.copytree(tmp_path / "llama", tmp_path / name)
+        hf_config = json.loads((tmp_path / name / "config.json").read_text())
+        change(hf_config)
+        (tmp_path / name / "config.json").write_text(json.dumps(hf_config))
+        assert main(["convert", "from-hf", str(tmp_path / name), str(tmp_path / "o")]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert fragment in line and not (tmp_path / "o").exists(), line
 
 
 def test_a_run_starts_only_from_weights_of_its_own_architecture(tmp_path, shared_run):
@@ -316,6 +328,23 @@ def test_a_run_starts_only_from_weights_of_its_own_architecture(tmp_path, shared
         load_initial_weights(Decoder(wider), wider, tmp_path / "folder")
     with pytest.raises(CheckpointError, match="not a consolidated folder"):
         load_initial_weights(Decoder(cfg), cfg, shared_run)
+    # Weights cut short, a header pointing past the file's end, or no safetensors file (only a .bin):
+    # one line naming the folder, never a traceback.
+    weights = tmp_path / "folder" / "model.safetensors"
+    whole = weights.read_bytes()
+    header_len = int.from_bytes(whole[:8], "little")
+    header = json.loads(whole[8 : 8 + header_len])
+    name = next(k for k in header if k != "__metadata__")
+    past_end = dict(header, **{name: dict(header[name], data_offsets=[0, len(whole) * 2])})
+    text = json.dumps(past_end).encode()
+    for damaged in (whole[: len(whole) // 2], len(text).to_bytes(8, "little") + text + whole[8 + header_len :], None):
+        if damaged is None:
+            weights.unlink()
+            (tmp_path / "folder" / "pytorch_model.bin").write_bytes(b"not for us")
+        else:
+            weights.write_bytes(damaged)
+        with pytest.raises(CheckpointError, match=r"weights not readable \("):
+            load_initial_weights(Decoder(cfg), cfg, tmp_path / "folder")
 
 
 def test_sizes_parse_as_hugging_face_writes_them():

@@ -1,6 +1,7 @@
 """`megabam data tokenizer|prepare|inspect|synth`: inputs, packing, shards, summaries and bad input."""
 
 import gzip
+import hashlib
 import json
 import os
 import random
@@ -529,6 +530,18 @@ def test_corrupted_and_truncated_shards_are_refused(tmp_path, tok_path, capsys):
     assert_one_line_error(code, err, shard.name, "truncated")
     with pytest.raises(DataError, match=f"{shard.name}: shard truncated"):  # what the trainer checks
         prepared_mixture([StreamConfig(path=str(ds))], tok_path, vocab_size=512, seq_len=15)
+    # Garbage of the right size whose index was re-signed to match: the decoder's failure is one line.
+    shard.write_bytes(os.urandom(len(data)))
+    index_path = ds / "train" / "index.json"
+    index = json.loads(index_path.read_text())
+    name = shard.relative_to(ds / "train").as_posix()
+    for entry in index["shards"]:
+        for part in (entry["raw_data"], entry.get("zip_data") or {}):
+            if part.get("basename") == name:
+                part["hashes"] = {"sha1": hashlib.sha1(shard.read_bytes()).hexdigest()}
+    index_path.write_text(json.dumps(index))
+    code, _, err = run_cli(capsys, "data", "inspect", ds)
+    assert_one_line_error(code, err, shard.name, "not a readable MDS shard")
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path, tok_path, capsys):
