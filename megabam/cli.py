@@ -9,9 +9,10 @@ import sys
 import typing
 
 from megabam import exit_codes, remote_args
-from megabam.config import Config, ConfigError, load_config
+from megabam.config import Config, load_config
 from megabam.convert.cli import add_convert_parser, run_convert
 from megabam.data.cli import add_data_parser, run_data
+from megabam.errors import UserError
 from megabam.eval.cli import add_eval_parser, add_plot_parser, add_repro_parser, run_eval, run_plot, run_repro
 from megabam.launch import add_launch_parser, parent_death_signal, run_launch
 from megabam.plan.cli import add_plan_parser, run_plan
@@ -52,11 +53,14 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     try:
-        argv = remote_args.decode(argv)  # `train`'s arguments as they cross a remote shell (multi-host)
-    except ValueError as e:
+        args = parser.parse_args(remote_args.decode(argv))  # `train`'s arguments across a remote shell
+        return _run(args)
+    except UserError as e:  # every command's bad input: one line, exit 2 (megabam/errors.py)
         print(f"megabam: error: {e}", file=sys.stderr)
         return exit_codes.BAD_INPUT
-    args = parser.parse_args(argv)
+
+
+def _run(args) -> int:
     if args.command == "train":
         return _train(args)
     start_collecting()
@@ -91,25 +95,17 @@ def _train(args) -> int:
     if args.help_config:
         print("\n".join(describe_config(Config)))
         return exit_codes.OK
-    problem = None
     if args.config is None:
-        problem = "train needs a CONFIG file (e.g. yaml_configs/tiny_cpu.yaml; --help-config lists every key)"
-    elif args.fresh and args.resume:
-        problem = "--fresh (start a new run) and --resume (continue one) contradict each other; give one"
-    if problem:
-        print(f"megabam: error: {problem}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
-    try:
-        cfg = load_config(args.config, args.overrides)
-        # Who this rank is, before anything reads RANK (rank 0 alone takes the run directory's lock):
-        # mpirun and srun name ranks in their own variables.
-        from megabam.parallel.ranks import launch_environment, launcher_of
+        raise UserError("train needs a CONFIG file (e.g. yaml_configs/tiny_cpu.yaml; --help-config lists every key)")
+    if args.fresh and args.resume:
+        raise UserError("--fresh (start a new run) and --resume (continue one) contradict each other; give one")
+    cfg = load_config(args.config, args.overrides)
+    # Who this rank is, before anything reads RANK (rank 0 alone takes the run directory's lock):
+    # mpirun and srun name ranks in their own variables.
+    from megabam.parallel.ranks import launch_environment, launcher_of
 
-        launched = launcher_of(os.environ) != "none"
-        os.environ.update(launch_environment())
-    except ConfigError as e:
-        print(f"megabam: error: {e}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+    launched = launcher_of(os.environ) != "none"
+    os.environ.update(launch_environment())
     if launched:
         _die_with_the_launcher()
     # Importing DeepSpeed and the trainer costs seconds; only after the config is known to be good.
@@ -117,17 +113,11 @@ def _train(args) -> int:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from megabam.data.errors import DataError
-    from megabam.train.checkpoint import CheckpointError
-    from megabam.train.run_lock import RunDirError
     from megabam.train.trainer import AlreadyComplete, TooManyBadSteps, train
 
     start_collecting()
     try:
         summary = train(cfg, fresh=args.fresh, resume=args.resume)
-    except (RunDirError, ConfigError, DataError, CheckpointError) as e:  # DataError: a bad sample met while streaming
-        print(f"megabam: error: {e}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
     except TooManyBadSteps as e:
         print(f"megabam: error: {e}", file=sys.stderr)
         return exit_codes.BAD_STEPS

@@ -65,11 +65,7 @@ def add_launch_parser(sub) -> None:
 
 
 def run_launch(args) -> int:
-    try:
-        cmd, env, script = plan_launch(args)
-    except ConfigError as e:
-        print(f"megabam: error: {e}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+    cmd, env, script = plan_launch(args)
     shown = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
     if args.dry_run:
         if script is not None:

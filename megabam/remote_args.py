@@ -14,6 +14,8 @@ import binascii
 import json
 import sys
 
+from megabam.errors import UserError
+
 PREFIX = "--args-b64="
 
 
@@ -22,7 +24,7 @@ def encode(args: list[str]) -> str:
 
 
 def decode(argv: list[str]) -> list[str]:
-    """`argv` with an encoded word (alone after the command) replaced by the arguments it holds; ValueError
+    """`argv` with an encoded word (alone after the command) replaced by the arguments it holds; UserError
     names a word that does not decode to a list of strings."""
     if len(argv) != 2 or not argv[1].startswith(PREFIX):
         return argv
@@ -31,7 +33,7 @@ def decode(argv: list[str]) -> list[str]:
     except (binascii.Error, UnicodeError, ValueError):
         args = None
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise ValueError(f"{PREFIX[:-1]}: not the base64 of a JSON list of strings: {argv[1][:60]!r}")
+        raise UserError(f"{PREFIX[:-1]}: not the base64 of a JSON list of strings: {argv[1][:60]!r}")
     return [argv[0], *args]
 
 

@@ -16,9 +16,10 @@ from typing import Any, Literal, Union
 import yaml
 
 from megabam.config.schema import Config, expand_pattern
+from megabam.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A bad configuration value; the message names the file and the key."""
 
     def __init__(self, source: str, key: str, message: str):

@@ -6,7 +6,6 @@ exists) is one line on stderr and exit 2, before anything is written; the input 
 """
 
 import json
-import sys
 from pathlib import Path
 
 from megabam import exit_codes
@@ -69,22 +68,14 @@ def _writer_arguments(p) -> None:
 
 
 def run_convert(args) -> int:
-    from megabam.config import ConfigError
-    from megabam.convert.output import OutputError
-    from megabam.data.errors import DataError
-    from megabam.train.checkpoint import CheckpointError
 
-    try:
-        lines = {
-            "inspect": _inspect,
-            "consolidate": _consolidate,
-            "reshard": _reshard,
-            "to-hf": _to_hf,
-            "from-hf": _from_hf,
-        }[args.task](args)
-    except (CheckpointError, OutputError, ConfigError, DataError) as e:  # DataError: the run's tokenizer
-        print(f"megabam: error: {e}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+    lines = {
+        "inspect": _inspect,
+        "consolidate": _consolidate,
+        "reshard": _reshard,
+        "to-hf": _to_hf,
+        "from-hf": _from_hf,
+    }[args.task](args)
     print("\n".join(lines))
     return exit_codes.OK
 

@@ -8,8 +8,10 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from megabam.errors import UserError
 
-class OutputError(ValueError):
+
+class OutputError(UserError):
     """An output folder that cannot be written; the message names it."""
 
 

@@ -1,7 +1,6 @@
 """`megabam data tokenizer|prepare|inspect|synth`: the data pipeline's commands."""
 
 import argparse
-import sys
 from pathlib import Path
 
 from megabam import exit_codes
@@ -175,12 +174,8 @@ def _add_reading_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_data(args) -> int:
-    """Run a ``megabam data`` subcommand; bad input prints one error line and returns 2."""
-    try:
-        lines = _COMMANDS[args.data_command](args)
-    except DataError as e:
-        print(f"megabam: error: {e}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+    """Run a ``megabam data`` subcommand (bad input: a DataError, one line from the CLI, exit 2)."""
+    lines = _COMMANDS[args.data_command](args)
     print("\n".join(lines))
     return exit_codes.OK
 

@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass
 
 from megabam.data.tokenizer import Tokenizer
+from megabam.errors import UserError
 
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -21,7 +22,7 @@ QUESTION = " What is the pass key? The pass key is"
 ANSWER = " {key}"
 
 
-class PromptTooShort(ValueError):
+class PromptTooShort(UserError):
     """A prompt (passkey or needle) does not fit in the tokens asked for."""
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from megabam import exit_codes
 from megabam.config.schema import MAX_TOKENS
 from megabam.data.niah import VARIANTS
+from megabam.errors import UserError
 
 
 def add_eval_parser(sub) -> None:
@@ -149,18 +150,10 @@ def _guarded(work) -> int:
     """Run `work()`, print its lines; bad input (a path, a checkpoint, a value) is one line, exit 2.
     torch's threads are sized and flush denormals as in a training rank (a long prompt's far keys under
     a prior are mostly denormal probabilities: ~3x slower unflushed), before any of the work."""
-    from megabam.data.errors import DataError
-    from megabam.data.passkey import PromptTooShort
-    from megabam.eval.plots import NothingToPlot
     from megabam.parallel.threads import configure_cpu
-    from megabam.train.checkpoint import CheckpointError
 
     configure_cpu()
-    try:
-        lines = work()
-    except (CheckpointError, DataError, PromptTooShort, BadArgument, NothingToPlot) as e:
-        print(f"megabam: error: {e}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+    lines = work()  # bad input: a UserError, one line from the CLI
     print("\n".join(lines))
     return exit_codes.OK
 
@@ -217,7 +210,7 @@ def _trained(source: str):
     return load_trained(source)
 
 
-class BadArgument(ValueError):
+class BadArgument(UserError):
     """A command-line value out of range; the message names the option."""
 
 

@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 
 from megabam.data.passkey import passkey_sample
+from megabam.errors import UserError
 from megabam.eval.figures import pyplot, save
 from megabam.eval.trained import Trained
 from megabam.kernels.bam_attention import BamParams, prior_terms
 
 
-class NothingToPlot(ValueError):
+class NothingToPlot(UserError):
     """The run or checkpoint has nothing of the kind asked for; the message says what is missing."""
 
 

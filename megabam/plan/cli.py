@@ -5,7 +5,6 @@ a fraction of a second (its signal handlers go in before torch is imported)."""
 
 import dataclasses
 import json
-import sys
 
 from megabam import exit_codes
 from megabam.config import ConfigError, load_config
@@ -32,17 +31,13 @@ MAX_NODES = 100_000  # beyond any cluster built; keeps the layout search to seco
 
 
 def run_plan(args) -> int:
-    try:
-        for flag, value, most in (("--nodes", args.nodes, MAX_NODES), ("--gpus-per-node", args.gpus_per_node, 64)):
-            if not 1 <= value <= most:  # the search grows with the world's divisors: 10⁹ nodes ran for minutes
-                raise ConfigError("<plan>", flag, f"must lie in 1..{most:,}, got {value:,}")
-        cfg = load_config(args.config, args.overrides)
-        from megabam.plan.planner import plan
+    for flag, value, most in (("--nodes", args.nodes, MAX_NODES), ("--gpus-per-node", args.gpus_per_node, 64)):
+        if not 1 <= value <= most:  # the search grows with the world's divisors: 10⁹ nodes ran for minutes
+            raise ConfigError("<plan>", flag, f"must lie in 1..{most:,}, got {value:,}")
+    cfg = load_config(args.config, args.overrides)
+    from megabam.plan.planner import plan
 
-        result = plan(cfg, GPUS[args.gpu], args.nodes, args.gpus_per_node, args.top)
-    except ConfigError as e:
-        print(f"megabam: error: {e}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+    result = plan(cfg, GPUS[args.gpu], args.nodes, args.gpus_per_node, args.top)
     print(json.dumps(as_json(result), indent=1) if args.json else "\n".join(report(result)))
     return exit_codes.OK
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from megabam.errors import UserError
 from megabam.train import rng
 
 META_FILE = "megabam.json"
@@ -41,7 +42,7 @@ DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed co
 SHARD_KEY = "megabam_shard"  # in each mp_rank_XX_model_states.pt: {"tensor_rank", "tensor", "pipeline"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint file megabam cannot use; the message names the file."""
 
 

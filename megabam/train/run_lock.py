@@ -11,8 +11,10 @@ import os
 import socket
 from pathlib import Path
 
+from megabam.errors import UserError
 
-class RunDirError(RuntimeError):
+
+class RunDirError(UserError):
     """The run directory cannot be used as asked (never overwritten silently)."""
 
 
