@@ -16,7 +16,7 @@ from megabam.errors import UserError
 from megabam.eval.cli import add_eval_parser, add_plot_parser, add_repro_parser, run_eval, run_plot, run_repro
 from megabam.launch import add_launch_parser, parent_death_signal, run_launch
 from megabam.plan.cli import add_plan_parser, run_plan
-from megabam.train.preemption import Preempted, handle_start_up_signals
+from megabam.train.preemption import Preempted, exit_words, handle_start_up_signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,8 +133,7 @@ def _train(args) -> int:
     except Preempted as e:
         step, code = e.args
         what = "preempted" if code == exit_codes.PREEMPTED else "interrupted"
-        requeue = " (requeue)" if code == exit_codes.PREEMPTED else ""
-        print(f"megabam: {what} after step {step}; checkpoint saved, exit {code}{requeue}", file=sys.stderr)
+        print(f"megabam: {what} after step {step}; checkpoint saved, {exit_words(code)}", file=sys.stderr)
         return code
     if int(os.environ.get("RANK", "0")) == 0:
         print("\n".join(["", "== megabam summary =="] + summary.lines()))

@@ -311,32 +311,24 @@ def _run_tasks(staging: Path, plan: dict, todo: list[int], workers: int, progres
         for t in todo
     ]
     report = _Progress(sum(n for t in tasks for _, _, n in t.pieces), progress)
+    # spawn, not fork: the parent may hold threads (tqdm's monitor, streaming's writers). An executor,
+    # not multiprocessing.Pool: a worker killed outright (the OOM killer) breaks it, where a Pool
+    # would wait for the lost task for ever.
+    ctx = multiprocessing.get_context("spawn")
+    done_bytes = ctx.Value("q", 0)  # input bytes finished, by this process and the workers
+
+    def file_done(size: int) -> None:
+        _add(done_bytes, size)
+        report.update(done_bytes.value)
+
     if workers <= 1 or len(tasks) <= 1:  # here: no process to start
-        done = 0
-
-        def file_done(n: int) -> None:
-            nonlocal done
-            done += n
-            report.update(done)
-
         try:
             for task in tasks:
                 run_task(task, file_done)
         finally:
             report.close()
         return
-    # spawn, not fork: the parent may hold threads (tqdm's monitor, streaming's writers). An executor,
-    # not multiprocessing.Pool: a worker killed outright (the OOM killer) breaks it, where a Pool
-    # would wait for the lost task for ever.
-    ctx = multiprocessing.get_context("spawn")
-    done_bytes = ctx.Value("q", 0)
     n = min(workers, len(tasks))
-
-    def file_done(size: int) -> None:
-        with done_bytes.get_lock():
-            done_bytes.value += size
-        report.update(done_bytes.value)
-
     # This process is one of the workers (it would otherwise idle, and its start-up is paid already):
     # the pool's n - 1 processes take tasks from the front, this one from the back, while a task is
     # still waiting (a future not yet handed to a process can be cancelled), until they meet.
@@ -372,12 +364,13 @@ def _init_worker(counter) -> None:
     _done_bytes = counter
 
 
-def _run_task_in_worker(task: _Task) -> None:
-    def add(n: int) -> None:
-        with _done_bytes.get_lock():
-            _done_bytes.value += n
+def _add(counter, size: int) -> None:
+    with counter.get_lock():
+        counter.value += size
 
-    run_task(task, add)
+
+def _run_task_in_worker(task: _Task) -> None:
+    run_task(task, lambda size: _add(_done_bytes, size))
 
 
 def run_task(task: _Task, file_done) -> PrepareSummary:

@@ -26,6 +26,11 @@ def exit_code(signal_name: str) -> int:
     return exit_codes.INTERRUPTED if signal_name == "SIGINT" else exit_codes.PREEMPTED
 
 
+def exit_words(code: int) -> str:
+    """How a stop by signal ends its line: the code, and whether a launch script requeues the job."""
+    return f"exit {code}" + (" (requeue)" if code == exit_codes.PREEMPTED else "")
+
+
 def _say(message: str) -> None:
     # os.write, not print: a handler may interrupt a write to sys.stderr, whose buffer refuses a second
     # writer (RuntimeError: reentrant call).
@@ -71,8 +76,7 @@ def _announce(name: str) -> int:
     with _announce_lock:
         if not _announced:
             _announced.append(name)
-            requeue = " (requeue)" if code == exit_codes.PREEMPTED else ""
-            _say(f"megabam: {name} during start-up; nothing to save, exit {code}{requeue}")
+            _say(f"megabam: {name} during start-up; nothing to save, {exit_words(code)}")
     return code
 
 
