@@ -23,11 +23,18 @@ from megabam.config import Config, ConfigError
 from megabam.config.loader import config_from_dict
 from megabam.data.tokenizer import TOKENIZER_FILES, tokenizer_in
 from megabam.model import Decoder
-from megabam.parallel.pipeline_layers import TIED_HEAD, layer_file, locate, pipeline_layers
+from megabam.parallel.pipeline_layers import (
+    SHARD_KEY,
+    TIED_HEAD,
+    identity_problem,
+    layer_file,
+    locate,
+    pipeline_layers,
+    shard_identity,
+)
 from megabam.parallel.tensor_parallel import Split, shard, tp_splits, unshard
 from megabam.train.checkpoint import (
     META_FILE,
-    SHARD_KEY,
     CheckpointError,
     CheckpointMeta,
     checkpoint_root,
@@ -36,6 +43,7 @@ from megabam.train.checkpoint import (
 )
 
 MODEL_STATES_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 OPTIMIZER_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
@@ -147,28 +155,24 @@ class CheckpointReader:
 
     def _weights(self, file: str) -> dict:
         state = load_weights_file(self.path / file)
+        self._check_identity(file, state)
         if self.layers is None:
             module = state.get("module")
             if not isinstance(module, dict):
                 raise CheckpointError(f"{self.path / file}: holds no 'module' weights")
-            self._check_identity(file, state)
             return {f"module.{k}": v for k, v in module.items()}
         return state
 
     def _check_identity(self, file: str, state: dict) -> None:
-        """The tensor rank and layout the file's writer recorded (checkpoints from before that: none)
-        against its name and the config: a copy of another rank's file holds tensors of the right
-        names and shapes, and would merge into wrong weights."""
-        shard = state.get(SHARD_KEY)
-        if not shard:
-            return
-        rank = int(MODEL_STATES_FILE.match(file).group(1))
-        wrote = (shard.get("tensor_rank"), shard.get("tensor"), shard.get("pipeline"))
-        if wrote != (rank, self.tp, self.pp):
-            raise CheckpointError(
-                f"{self.path / file}: written by tensor rank {wrote[0]} of a tensor={wrote[1]}, pipeline={wrote[2]} "
-                f"layout, not rank {rank} of tensor={self.tp}, pipeline={self.pp} (a file copied over another?)"
-            )
+        """The rank, layer and layout the file's writer recorded against its name and the config."""
+        if self.layers is None:
+            expected = shard_identity(int(MODEL_STATES_FILE.match(file).group(1)), self.tp, self.pp)
+        else:
+            layer, rank = LAYER_FILE.match(file).groups()
+            expected = shard_identity(int(rank), self.tp, self.pp, layer=int(layer))
+        problem = identity_problem(state.get(SHARD_KEY), expected)
+        if problem:
+            raise CheckpointError(f"{self.path / file}: {problem}")
 
     def check(self) -> None:
         """Every file the layout needs is there and holds exactly the tensors the config's model has, of

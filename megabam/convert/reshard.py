@@ -34,6 +34,7 @@ from megabam.convert.output import check_output, output_folder
 from megabam.convert.reader import CheckpointReader
 from megabam.data.tokenizer import copy_tokenizer, load_tokenizer
 from megabam.parallel.layout import ParallelLayout
+from megabam.parallel.pipeline_layers import shard_identity
 from megabam.train.checkpoint import CheckpointError, checkpoint_root, list_tags
 
 SOURCE = "<reshard>"
@@ -201,4 +202,4 @@ def write_rank(source: str, run_dir: str, raw: dict, tokenizer: str) -> None:
     peer = old.rank(min(dp, old.data - 1), min(pp, old.pipeline - 1), min(tp, old.tensor - 1))
     rng.restore(json.loads((reader.path / f"rng_rank{peer:05d}.json").read_text()))
     meta = dataclasses.replace(reader.meta, config=raw, tokenizer=tokenizer)
-    checkpoint.save(ds, Path(run_dir), meta, keep=1)
+    checkpoint.save(ds, Path(run_dir), meta, keep=1, shard=shard_identity(tp, L.tensor, L.pipeline))

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import xxhash
 
 from megabam.errors import UserError
+from megabam.parallel.pipeline_layers import SHARD_KEY, identity_problem
 from megabam.train import rng
 
 META_FILE = "megabam.json"
@@ -39,7 +40,6 @@ MANIFEST_FILE = "manifest.json"
 TAG = re.compile(r"^step_(\d{8})$")
 META_VERSION = 1
 DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies beside checkpoints
-SHARD_KEY = "megabam_shard"  # in each mp_rank_XX_model_states.pt: {"tensor_rank", "tensor", "pipeline"}
 
 
 class CheckpointError(UserError):
@@ -122,7 +122,7 @@ def list_tags(run_dir: Path) -> list[str]:
     return sorted(tags, reverse=True)
 
 
-def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int, shard: dict | None = None) -> Path:
+def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int, shard: dict) -> Path:
     """Collective. Every rank writes its DeepSpeed shard and RNG state into a temporary directory;
     the ranks hash the files between them; rank 0 writes metadata and manifest, renames the
     directory into place, moves `latest`, and deletes all but the newest `keep` checkpoints.
@@ -141,7 +141,7 @@ def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int, shard: dict | N
     try:
         # `shard` (this rank's place in the layout) goes into the engine's own model-states file, so a
         # file copied over another rank's is told apart on read even when a manifest vouches for it.
-        engine.save_checkpoint(str(root), tag=tmp.name, client_state={SHARD_KEY: shard or {}}, save_latest=False)
+        engine.save_checkpoint(str(root), tag=tmp.name, client_state={SHARD_KEY: shard}, save_latest=False)
         write_json(tmp / f"rng_rank{rank:05d}.json", rng.capture())
         if rank == 0:
             _write_text_atomic(tmp / META_FILE, meta.to_json())
@@ -227,20 +227,32 @@ def read_meta(run_dir: Path, tag: str) -> CheckpointMeta:
     return CheckpointMeta.read(checkpoint_root(run_dir) / tag / META_FILE)
 
 
-def load(engine, run_dir: Path, tag: str) -> CheckpointMeta:
-    """Restore engine (model, optimizer, scheduler) and this rank's RNG from `tag`; return its metadata."""
+def load(engine, run_dir: Path, tag: str, shard: dict | None = None) -> CheckpointMeta:
+    """Restore engine (model, optimizer, scheduler) and this rank's RNG from `tag`; return its metadata.
+    `shard` is this rank's identity (megabam/parallel/pipeline_layers.py): a model-states file that
+    records another makes the checkpoint unusable (pipeline layer files are checked as they load)."""
     root = checkpoint_root(run_dir)
     failure = None
+    noted = getattr(engine.module, "identity_problems", [])  # a pipeline notes its layer files' as they load
+    noted.clear()
     try:
-        if engine.load_checkpoint(str(root), tag=tag)[0] is None:
+        path, client_state = engine.load_checkpoint(str(root), tag=tag)
+        if path is None:
             failure = "DeepSpeed found nothing to load"
+        elif shard is not None:
+            problem = identity_problem((client_state or {}).get(SHARD_KEY), shard)
+            problems = [f"its model-states file was {problem}"] if problem else []
+            problems += noted
+            failure = "; ".join(problems) or None
     except (pickle.UnpicklingError, RuntimeError, OSError, KeyError, ValueError) as e:
         # weights_only refuses a file that holds anything but tensors and plain data
         failure = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
-    failed = torch.tensor([0.0 if failure is None else 1.0], device=engine.device)
-    dist.all_reduce(failed)
-    if failed.item():
-        raise UnusableCheckpoint(failure or "it failed to load on another rank")
+    failures: list = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)  # every rank gives up alike, and says where it failed
+    reasons = [f"rank {rank}: {reason}" for rank, reason in enumerate(failures) if reason]
+    if reasons:
+        more = f" (and {len(reasons) - 2} more ranks)" if len(reasons) > 2 else ""
+        raise UnusableCheckpoint("; ".join(reasons[:2]) + more)
     rng_file = root / tag / f"rng_rank{dist.get_rank():05d}.json"
     rng.restore(json.loads(rng_file.read_text()))
     return read_meta(run_dir, tag)

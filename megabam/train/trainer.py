@@ -40,6 +40,7 @@ from megabam.eval.figures import heatmap
 from megabam.eval.passkey import passkey_accuracy, passkey_grid
 from megabam.log import setup_logging
 from megabam.parallel.distributed import init_distributed
+from megabam.parallel.pipeline_layers import shard_identity
 from megabam.parallel.topology import build_topology
 from megabam.plan.counts import meta_model
 from megabam.plan.memory import memory_bytes
@@ -332,7 +333,7 @@ class Trainer:
                 log.info(f"resume: accepted config change {line}")
             t0 = time.perf_counter()
             try:
-                meta = checkpoint.load(self.engine.deepspeed, self.run_dir, tag)
+                meta = checkpoint.load(self.engine.deepspeed, self.run_dir, tag, shard=self._shard())
             except checkpoint.UnusableCheckpoint as e:
                 done = checkpoint.set_aside(self.run_dir, tag)
                 log.info(f"checkpoint {root / tag} is unusable (it does not load: {e}); {done}")
@@ -346,6 +347,11 @@ class Trainer:
             log.info(f"resumed from {root / tag} at step {meta.step} (loaded in {time.perf_counter() - t0:.2f} s)")
             return meta
         raise RunDirError(f"{root}: no usable checkpoint to resume from")
+
+    def _shard(self) -> dict:
+        """This rank's identity, recorded in the weights files it saves and checked on resume."""
+        topo = self.topology
+        return shard_identity(topo.tp_rank, topo.tp_size, topo.pp_size)
 
     def train_step(self, preemption: PreemptionFlag) -> StepResult:
         """One optimizer step; one collective agrees on its loss, whether the update was applied and
@@ -518,9 +524,7 @@ class Trainer:
             wandb_id=self.logger.wandb_id,
             window_sampler=self.sampler.state_dict() if self.sampler is not None else None,
         )
-        topo = self.topology
-        shard = {"tensor_rank": topo.tp_rank, "tensor": topo.tp_size, "pipeline": topo.pp_size}
-        path = checkpoint.save(self.engine.deepspeed, self.run_dir, meta, keep=cfg.checkpoint.keep, shard=shard)
+        path = checkpoint.save(self.engine.deepspeed, self.run_dir, meta, keep=cfg.checkpoint.keep, shard=self._shard())
         p.last_saved = step
         self.logger.log(step, {"checkpoint_save_s": time.perf_counter() - t0})
         log.info(f"saved {path} in {time.perf_counter() - t0:.2f} s")

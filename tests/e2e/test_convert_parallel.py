@@ -51,6 +51,33 @@ def test_consolidated_model_gives_the_parallel_models_logits(tmp_path, data_cach
     expected = torch.load(reference, weights_only=True)
     assert logits.shape == expected.shape
     assert (logits - expected).abs().max().item() < LOGITS_ATOL
+    if layout == "tp2pp2":
+        _a_pipeline_layer_file_copied_over_another_is_refused(tmp_path, data_cache, ckpt, capsys)
+
+
+def _a_pipeline_layer_file_copied_over_another_is_refused(tmp_path, data_cache, ckpt, capsys):
+    """Blocks 0 and 1 (pipeline layers 1 and 2) have the same tensor names and shapes: a copy of one
+    over the other, manifest re-signed, is refused by convert and by a resuming training run."""
+    shutil.copy(ckpt / "layer_01-model_00-model_states.pt", ckpt / "layer_02-model_00-model_states.pt")
+    resign(ckpt)
+    swapped = (
+        "written as layer 1 of tensor rank 0 of a tensor=2, pipeline=2 layout, not layer 2 of tensor rank 0 of a "
+        "tensor=2, pipeline=2 layout (a file copied over another?)"
+    )
+    assert main(["convert", "inspect", str(ckpt)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"layer_02-model_00-model_states.pt: {swapped}")
+    resumed = megabam_train(
+        tmp_path,
+        data_cache,
+        "run.name=tp2pp2",
+        "train.steps=4",
+        "checkpoint.every=3",
+        *LAYOUTS["tp2pp2"],
+        nproc=4,
+        check=False,
+    )
+    assert resumed.returncode == 2
+    assert f"layer 2's file was {swapped}" in resumed.stdout + resumed.stderr
 
 
 def test_a_new_run_starts_from_a_consolidated_folder(tmp_path, data_cache):
@@ -81,20 +108,28 @@ def test_a_missing_zero_partition_and_a_tensor_rank_file_copied_over_another_are
     megabam_train(tmp_path, data_cache, "run.name=tp", "train.steps=3", "parallel.tensor=2", nproc=2)
     ckpt = tmp_path / "tp" / "checkpoints" / "step_00000003"
     gone = sorted(ckpt.glob("*optim_states.pt"))[-1]
-    gone.unlink()
+    gone.rename(tmp_path / gone.name)
     resign(ckpt)
     capsys.readouterr()
     assert main(["convert", "inspect", str(ckpt)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("optimizer"))
     assert line.endswith(f"present (1 of 2 ZeRO partition files); missing: {gone.name}")
+    (tmp_path / gone.name).rename(gone)
 
     shutil.copy(ckpt / "mp_rank_00_model_states.pt", ckpt / "mp_rank_01_model_states.pt")
     resign(ckpt)
+    swapped = (
+        "written as tensor rank 0 of a tensor=2, pipeline=1 layout, not tensor rank 1 of a tensor=2, pipeline=1 "
+        "layout (a file copied over another?)"
+    )
     for cmd in (["inspect", str(ckpt)], ["consolidate", str(ckpt), str(tmp_path / "out")]):
         assert main(["convert", *cmd]) == 2
         (err,) = capsys.readouterr().err.strip().splitlines()
-        assert err.endswith(
-            "mp_rank_01_model_states.pt: written by tensor rank 0 of a tensor=2, pipeline=1 layout, not rank 1 "
-            "of tensor=2, pipeline=1 (a file copied over another?)"
-        ), err
+        assert err.endswith(f"mp_rank_01_model_states.pt: {swapped}"), err
     assert not (tmp_path / "out").exists()
+    # Training does not resume from it either: the checkpoint is set aside (it was the only one).
+    resumed = megabam_train(
+        tmp_path, data_cache, "run.name=tp", "train.steps=4", "parallel.tensor=2", nproc=2, check=False
+    )
+    assert resumed.returncode == 2
+    assert f"rank 1: its model-states file was {swapped}" in resumed.stdout + resumed.stderr
