@@ -12,7 +12,7 @@ from megabam import exit_codes, remote_args
 from megabam.config import Config, load_config
 from megabam.convert.cli import add_convert_parser, run_convert
 from megabam.data.cli import add_data_parser, run_data
-from megabam.errors import UserError
+from megabam.errors import BadArgument, UserError
 from megabam.eval.cli import add_eval_parser, add_plot_parser, add_repro_parser, run_eval, run_plot, run_repro
 from megabam.launch import add_launch_parser, parent_death_signal, run_launch
 from megabam.plan.cli import add_plan_parser, run_plan
@@ -96,9 +96,11 @@ def _train(args) -> int:
         print("\n".join(describe_config(Config)))
         return exit_codes.OK
     if args.config is None:
-        raise UserError("train needs a CONFIG file (e.g. yaml_configs/tiny_cpu.yaml; --help-config lists every key)")
+        raise UserError(
+            None, "CONFIG", "train needs a config file (e.g. yaml_configs/tiny_cpu.yaml; --help-config lists every key)"
+        )
     if args.fresh and args.resume:
-        raise UserError("--fresh (start a new run) and --resume (continue one) contradict each other; give one")
+        raise BadArgument(None, "--fresh", "starts a new run, --resume continues one; give one of them")
     cfg = load_config(args.config, args.overrides)
     # Who this rank is, before anything reads RANK (rank 0 alone takes the run directory's lock):
     # mpirun and srun name ranks in their own variables.

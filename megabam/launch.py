@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 from megabam import exit_codes
-from megabam.config import ConfigError, load_config
+from megabam.config import load_config
+from megabam.errors import BadArgument
 from megabam.parallel.layout import check_world
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,8 +109,8 @@ def parent_death_signal(sig: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
 
 
-def _bad(key: str, why: str) -> ConfigError:
-    return ConfigError("<launch>", key, why)
+def _bad(key: str, why: str) -> BadArgument:
+    return BadArgument(None, key, why)
 
 
 def plan_launch(args) -> tuple[list[str], dict[str, str], tuple[Path, str] | None]:

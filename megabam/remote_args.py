@@ -33,7 +33,7 @@ def decode(argv: list[str]) -> list[str]:
     except (binascii.Error, UnicodeError, ValueError):
         args = None
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise UserError(f"{PREFIX[:-1]}: not the base64 of a JSON list of strings: {argv[1][:60]!r}")
+        raise UserError(None, PREFIX[:-1], f"not the base64 of a JSON list of strings: {argv[1][:60]!r}")
     return [argv[0], *args]
 
 

@@ -20,11 +20,7 @@ from megabam.errors import UserError
 
 
 class ConfigError(UserError):
-    """A bad configuration value; the message names the file and the key."""
-
-    def __init__(self, source: str, key: str, message: str):
-        super().__init__(f"{source}: {key}: {message}")
-        self.source, self.key = source, key
+    """A bad configuration value: the file (or "<defaults>", "<command line>") and the dotted key."""
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:

@@ -94,7 +94,7 @@ def _max_bytes(args) -> int:
     try:
         return parse_size(args.max_shard_size)
     except ValueError as e:
-        raise OutputError(f"--max-shard-size: {e}") from None
+        raise OutputError(None, "--max-shard-size", str(e)) from None
 
 
 def _consolidate(args) -> list[str]:

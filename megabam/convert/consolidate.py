@@ -78,20 +78,20 @@ def read_consolidated(folder: Path) -> Consolidated:
     try:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder / MARKER}: not readable as JSON ({e})") from None
+        raise CheckpointError(folder / MARKER, None, f"not readable as JSON ({e})") from None
     if not isinstance(marker, dict) or marker.get("format") != FORMAT:
-        raise CheckpointError(f"{folder / MARKER}: not a {FORMAT} marker")
+        raise CheckpointError(folder / MARKER, None, f"not a {FORMAT} marker")
     try:
         config = load_config(folder / "config.yaml")
     except ConfigError as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(e.source, e.key, e.message) from None
     meta = CheckpointMeta.read(folder / META_FILE)
     model = Decoder(config.model)
     try:
         state = read_model(folder)
         model.load_state_dict({k: v.float() for k, v in state.items()})
     except (OSError, RuntimeError, KeyError, ValueError, SafetensorError) as e:
-        raise CheckpointError(f"{folder}: weights do not fit its config.yaml ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(folder, None, f"weights do not fit its config.yaml ({str(e).splitlines()[0]})") from None
     return Consolidated(model, config, meta, tokenizer_in(folder))
 
 
@@ -116,11 +116,11 @@ def load_initial_weights(model: Decoder, model_config, folder: Path) -> Checkpoi
     (before any parallelism splits it), a tensor at a time; returns the folder's metadata. A folder of
     another architecture is refused with the config keys that differ."""
     if not is_consolidated(folder):
-        raise CheckpointError(f"{folder}: not a consolidated folder (no {MARKER}; see megabam convert consolidate)")
+        raise CheckpointError(folder, None, f"not a consolidated folder (no {MARKER}; see megabam convert consolidate)")
     try:
         theirs = load_config(folder / "config.yaml").model
     except ConfigError as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(e.source, e.key, e.message) from None
     differ = _differences(model_config, theirs)
     if differ:
         raise ConfigError("<train.init_from>", "train.init_from", f"{folder} has another model: {'; '.join(differ)}")
@@ -138,16 +138,16 @@ def load_initial_weights(model: Decoder, model_config, folder: Path) -> Checkpoi
                 found.update({name: file for name in f.keys()})
         if set(found) != set(state):
             missing = sorted(set(state) - set(found)) or sorted(set(found) - set(state))
-            raise CheckpointError(f"{folder}: its tensors do not match the model's (first differing: {missing[0]})")
+            raise CheckpointError(folder, None, f"its tensors do not match the model's (first differing: {missing[0]})")
         with torch.no_grad():
             for name, target in state.items():
                 with safe_open(folder / found[name], "pt") as f:
                     value = f.get_tensor(name)
                 if value.shape != target.shape:
                     raise CheckpointError(
-                        f"{folder}: {name} has shape {list(value.shape)}, the model {list(target.shape)}"
+                        folder, None, f"{name} has shape {list(value.shape)}, the model {list(target.shape)}"
                     )
                 target.copy_(value)
     except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"{folder}: weights not readable ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(folder, None, f"weights not readable ({str(e).splitlines()[0]})") from None
     return CheckpointMeta.read(folder / META_FILE)

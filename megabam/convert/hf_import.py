@@ -47,12 +47,12 @@ def from_hf(folder: Path, out: Path, overwrite: bool = False) -> list[str]:
     try:
         hf_config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder / 'config.json'}: not readable as JSON ({e})") from None
+        raise CheckpointError(folder / "config.json", None, f"not readable as JSON ({e})") from None
     kind = hf_config.get("model_type") if isinstance(hf_config, dict) else None
     readers = {"megabam": _megabam_export, "llama": _llama, "xlstm": _xlstm}
     if kind not in readers:
         raise CheckpointError(
-            f"{folder / 'config.json'}: model_type {kind!r}; from-hf imports {', '.join(sorted(readers))} models"
+            folder / "config.json", None, f"model_type {kind!r}; from-hf imports {', '.join(sorted(readers))} models"
         )
     check_output(out, overwrite, folder)
     try:
@@ -60,15 +60,17 @@ def from_hf(folder: Path, out: Path, overwrite: bool = False) -> list[str]:
     except CheckpointError:
         raise
     except KeyError as e:  # a config.json written by hand or by another tool
-        raise CheckpointError(f"{folder / 'config.json'}: has no {e.args[0]!r}, which a {kind} config needs") from None
+        raise CheckpointError(
+            folder / "config.json", None, f"has no {e.args[0]!r}, which a {kind} config needs"
+        ) from None
     except (TypeError, ValueError, ZeroDivisionError) as e:
-        raise CheckpointError(f"{folder / 'config.json'}: a value of the wrong type or range ({e})") from None
+        raise CheckpointError(folder / "config.json", None, f"a value of the wrong type or range ({e})") from None
     tokenizer = None
     if source.tokenizer is not None:  # checked before anything is written
         try:
             tokenizer = load_tokenizer(source.tokenizer, source.config.model.vocab_size)
         except DataError as e:
-            raise CheckpointError(f"{folder}: its tokenizer cannot be used ({e})") from None
+            raise CheckpointError(folder, None, f"its tokenizer cannot be used ({e})") from None
         if kind != "megabam":  # an imported model's config points at its tokenizer (an export keeps its own)
             source.config.data.tokenizer = str(out.absolute() / tokenizer.file_name)
     with torch.device("meta"):
@@ -76,7 +78,7 @@ def from_hf(folder: Path, out: Path, overwrite: bool = False) -> list[str]:
     for name, shape in shapes.items():  # every tensor there and of its shape before anything is written
         found = tuple(source.fetch(name, shape_only=True))
         if found != shape:
-            raise CheckpointError(f"{folder}: {name} would have shape {list(found)}, the model {list(shape)}")
+            raise CheckpointError(folder, None, f"{name} would have shape {list(found)}, the model {list(shape)}")
     dtype = source.fetch(next(iter(shapes))).dtype
     with output_folder(out) as tmp:
         files = write_model(tmp, list(shapes.items()), dtype, source.fetch, 5 * 10**9)
@@ -112,11 +114,11 @@ def _tensors(folder: Path) -> Callable:
             with safe_open(folder / file, "pt") as f:
                 where.update({key: file for key in f.keys()})
     except (OSError, ValueError, SafetensorError) as e:
-        raise CheckpointError(f"{folder}: weights not readable ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(folder, None, f"weights not readable ({str(e).splitlines()[0]})") from None
 
     def get(key: str, shape_only: bool = False):
         if key not in where:
-            raise CheckpointError(f"{folder}: has no tensor {key}")
+            raise CheckpointError(folder, None, f"has no tensor {key}")
         with safe_open(folder / where[key], "pt") as f:
             return f.get_slice(key).get_shape() if shape_only else f.get_tensor(key)
 
@@ -134,7 +136,7 @@ def _megabam_export(folder: Path, hf_config: dict) -> Source:
     try:
         config = load_config(folder / CONFIG_FILE)
     except ConfigError as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(e.source, e.key, e.message) from None
     get = _tensors(folder)
     meta = CheckpointMeta.read(folder / META_FILE)
     fetch = lambda name, shape_only=False: get(PREFIX + name, shape_only)  # noqa: E731
@@ -161,7 +163,7 @@ def _llama(folder: Path, c: dict) -> Source:
     ]
     for refused, why in refusals:
         if refused:
-            raise CheckpointError(f"{folder / 'config.json'}: {why}")
+            raise CheckpointError(folder / "config.json", None, why)
     rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     overrides = [
         f"model.vocab_size={c['vocab_size']}",
@@ -180,7 +182,7 @@ def _llama(folder: Path, c: dict) -> Source:
     try:
         config = load_config(None, overrides)
     except ConfigError as e:
-        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+        raise CheckpointError(folder / "config.json", None, str(e)) from None
     get = _tensors(folder)
     # megabam row 2k + j (j = 0, 1) of a head is Llama row k + j·D/2
     interleave = torch.arange(head_dim).view(2, head_dim // 2).t().reshape(-1)
@@ -215,7 +217,7 @@ def _llama(folder: Path, c: dict) -> Source:
             return _fused([read(layer + "mlp.gate_proj.weight"), read(layer + "mlp.up_proj.weight")], shape_only)
         if rest == "mlp.down.weight":
             return read(layer + "mlp.down_proj.weight")
-        raise CheckpointError(f"{folder}: no Llama tensor maps to {name}")
+        raise CheckpointError(folder, None, f"no Llama tensor maps to {name}")
 
     meta = CheckpointMeta(0, 0, 0, {}, dataclasses.asdict(config), 0, "", None, None)
     tokenizer = tokenizer_in(folder)
@@ -240,7 +242,7 @@ def _xlstm(folder: Path, c: dict) -> Source:
     ]
     for refused, why in refusals:
         if refused:
-            raise CheckpointError(f"{folder / 'config.json'}: {why}")
+            raise CheckpointError(folder / "config.json", None, why)
     cap = c.get("output_logit_soft_cap")
     get = _tensors(folder)
     ffn = get("backbone.blocks.0.ffn.proj_down.weight", shape_only=True)[1]  # d·ffn_proj_factor, rounded up
@@ -261,7 +263,7 @@ def _xlstm(folder: Path, c: dict) -> Source:
     try:
         config = load_config(None, overrides)
     except ConfigError as e:
-        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+        raise CheckpointError(folder / "config.json", None, str(e)) from None
     mixer = {  # megabam's name in an mLSTM layer → xLSTM's
         "q.weight": "q.weight",
         "k.weight": "k.weight",
@@ -290,7 +292,7 @@ def _xlstm(folder: Path, c: dict) -> Source:
             return read(block + "ffn.proj_down.weight")
         if rest.startswith("mixer.") and rest[len("mixer.") :] in mixer:
             return read(block + "mlstm_layer." + mixer[rest[len("mixer.") :]])
-        raise CheckpointError(f"{folder}: no xLSTM tensor maps to {name}")
+        raise CheckpointError(folder, None, f"no xLSTM tensor maps to {name}")
 
     meta = CheckpointMeta(0, 0, 0, {}, dataclasses.asdict(config), 0, "", None, None)
     tokenizer = tokenizer_in(folder)
@@ -309,11 +311,13 @@ def read_export(folder: Path) -> Consolidated:
     try:
         config = load_config(folder / CONFIG_FILE)
     except ConfigError as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointError(e.source, e.key, e.message) from None
     model = Decoder(config.model)
     try:
         state = {k.removeprefix(PREFIX): v.float() for k, v in read_model(folder).items()}
         model.load_state_dict(state)
     except (OSError, RuntimeError, KeyError, ValueError, SafetensorError) as e:
-        raise CheckpointError(f"{folder}: weights do not fit its {CONFIG_FILE} ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(
+            folder, None, f"weights do not fit its {CONFIG_FILE} ({str(e).splitlines()[0]})"
+        ) from None
     return Consolidated(model, config, CheckpointMeta.read(folder / META_FILE), tokenizer_in(folder))

@@ -78,13 +78,15 @@ class OptimizerState:
         cfg, path = reader.config, reader.path
         if cfg.parallel.zero_stage == 0:
             raise CheckpointError(
-                f"{path}: written with parallel.zero_stage=0, whose optimizer state DeepSpeed keeps unpartitioned "
+                path,
+                None,
+                "written with parallel.zero_stage=0, whose optimizer state DeepSpeed keeps unpartitioned "
                 "in its own per-index format; reshard reads ZeRO stage 1 or 2 checkpoints (consolidate and "
-                "train.init_from carry the weights over, with a fresh optimizer)"
+                "train.init_from carry the weights over, with a fresh optimizer)",
             )
         found = [m for m in map(ZERO_FILE.match, (p.name for p in path.iterdir())) if m]
         if not found:
-            raise CheckpointError(f"{path}: holds no ZeRO optimizer partitions (zero_pp_rank_*_optim_states.pt)")
+            raise CheckpointError(path, None, "holds no ZeRO optimizer partitions (zero_pp_rank_*_optim_states.pt)")
         state = cls(reader, dp=1 + max(int(m[2]) for m in found), bf16=cfg.train.precision == "bf16")
         mp_size = reader.tp * reader.pp
         for mp in range(mp_size):
@@ -92,7 +94,7 @@ class OptimizerState:
         trained = {name for name, p in reader.model.named_parameters() if p.requires_grad}
         missing = sorted(trained - set(state.fragments))
         if missing:
-            raise CheckpointError(f"{path}: the optimizer partitions hold no state for {missing[0]}")
+            raise CheckpointError(path, None, f"the optimizer partitions hold no state for {missing[0]}")
         return state
 
     def _read_model_parallel_rank(self, mp: int) -> None:
@@ -104,8 +106,9 @@ class OptimizerState:
             file = zero_file(dp, mp, self.bf16)
             if not (path / file).is_file():
                 raise CheckpointError(
-                    f"{path / file}: missing (the layout data={self.dp} × pipeline={reader.pp} × "
-                    f"tensor={reader.tp} needs it)"
+                    path / file,
+                    None,
+                    f"missing (the layout data={self.dp} × pipeline={reader.pp} × tensor={reader.tp} needs it)",
                 )
             osd = load_data_file(path / file).get("optimizer_state_dict")
             try:
@@ -114,12 +117,14 @@ class OptimizerState:
                 group_names = [g["name"] for g in groups]
                 steps = {int(s["step"]) for s in base["state"].values()}
             except (KeyError, TypeError) as e:
-                raise CheckpointError(f"{path / file}: not a ZeRO optimizer partition (no {e})") from None
+                raise CheckpointError(path / file, None, f"not a ZeRO optimizer partition (no {e})") from None
             if names not in (None, group_names):
-                raise CheckpointError(f"{path / file}: parameter groups {group_names}, other partitions {names}")
+                raise CheckpointError(path / file, None, f"parameter groups {group_names}, other partitions {names}")
             names = group_names
             if len(steps) != 1 or (self.groups and self.step not in steps):
-                raise CheckpointError(f"{path / file}: Adam steps {sorted(steps)} disagree with the other partitions")
+                raise CheckpointError(
+                    path / file, None, f"Adam steps {sorted(steps)} disagree with the other partitions"
+                )
             self.step = steps.pop()
             for g, mapping in enumerate(mappings):
                 for key, address in mapping.items():
@@ -127,7 +132,7 @@ class OptimizerState:
                         continue
                     name = decoder_name(key, reader.layers)
                     if name not in reader.shapes:
-                        raise CheckpointError(f"{path / file}: state for {key}, which the config's model has not")
+                        raise CheckpointError(path / file, None, f"state for {key}, which the config's model has not")
                     mine.setdefault(name, []).append(Fragment(file, g, int(address.start), int(address.numel)))
             for group in groups:
                 hyper = {k: v for k, v in group.items() if k != "params"}
@@ -141,7 +146,7 @@ class OptimizerState:
             self.counters = {k: int(engine[k]) for k in ("global_steps", "global_samples", "skipped_steps")}
             lists = schedule.pop("base_lrs"), schedule.pop("_last_lr")
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path / model_states_file(mp)}: no schedule or step counters ({e})") from None
+            raise CheckpointError(path / model_states_file(mp), None, f"no schedule or step counters ({e})") from None
         for name, base_lr, last_lr in zip(names, *lists):
             self.groups[name].base_lr, self.groups[name].last_lr = base_lr, last_lr
         self.scheduler = schedule
@@ -167,8 +172,10 @@ class OptimizerState:
                 joined = torch.cat(pieces[kind]) if pieces[kind] else torch.empty(0)
                 if joined.numel() != torch.Size(shape).numel():
                     raise CheckpointError(
-                        f"{reader.path}: the partitions hold {joined.numel()} values of {kind} for {name} "
-                        f"on tensor rank {tp}, its shard has {torch.Size(shape).numel()}"
+                        reader.path,
+                        None,
+                        f"the partitions hold {joined.numel()} values of {kind} for {name} "
+                        f"on tensor rank {tp}, its shard has {torch.Size(shape).numel()}",
                     )
                 shards[kind].append(joined.view(shape))
         return {kind: t[0] if split is None else unshard(t, split.dim, split.parts) for kind, t in shards.items()}

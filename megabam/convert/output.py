@@ -20,11 +20,11 @@ def check_output(out: Path, overwrite: bool, source: Path) -> None:
     lies inside the input (which is never modified)."""
     out, source = out.resolve(), source.resolve()
     if out == source or source in out.parents or out in source.parents:
-        raise OutputError(f"{out}: the output must lie outside the input {source} (the input is never modified)")
+        raise OutputError(out, None, f"the output must lie outside the input {source} (the input is never modified)")
     if out.exists() and not overwrite:
-        raise OutputError(f"{out}: already exists (pass --overwrite to replace it)")
+        raise OutputError(out, None, "already exists (pass --overwrite to replace it)")
     if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a folder")
+        raise OutputError(out, None, "exists and is not a folder")
 
 
 @contextlib.contextmanager

@@ -56,24 +56,24 @@ def find_checkpoint(path: Path) -> Path:
     """`path` itself when it is a checkpoint directory (holds megabam.json), else the newest
     checkpoint of the run directory `path` whose manifest verifies."""
     if not path.is_dir():
-        raise CheckpointError(f"{path}: no such run or checkpoint directory")
+        raise CheckpointError(path, None, "no such run or checkpoint directory")
     if (path / META_FILE).is_file():
         problems = manifest_problems(path)
         if problems:
             raise CheckpointError(
-                f"{path}: unusable ({problems if isinstance(problems, str) else '; '.join(problems)})"
+                path, None, f"unusable ({problems if isinstance(problems, str) else '; '.join(problems)})"
             )
         return path
     tags = list_tags(path)
     if not tags:
-        raise CheckpointError(f"{path}: neither a checkpoint directory nor a run directory with checkpoints")
+        raise CheckpointError(path, None, "neither a checkpoint directory nor a run directory with checkpoints")
     skipped = []
     for tag in tags:
         problems = manifest_problems(checkpoint_root(path) / tag)
         if not problems:
             return checkpoint_root(path) / tag
         skipped.append(f"{tag}: {problems if isinstance(problems, str) else '; '.join(problems)}")
-    raise CheckpointError(f"{path}: no checkpoint verifies ({' | '.join(skipped)})")
+    raise CheckpointError(path, None, f"no checkpoint verifies ({' | '.join(skipped)})")
 
 
 def load_weights_file(path: Path, data_classes: list | tuple = ()) -> dict:
@@ -83,9 +83,9 @@ def load_weights_file(path: Path, data_classes: list | tuple = ()) -> dict:
         with torch.serialization.safe_globals(list(data_classes)):
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as e:  # weights_only's refusal
-        raise CheckpointError(f"{path}: not readable as weights ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(path, None, f"not readable as weights ({str(e).splitlines()[0]})") from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
+        raise CheckpointError(path, None, f"expected a dict of tensors, got {type(state).__name__}")
     return state
 
 
@@ -107,7 +107,7 @@ class CheckpointReader:
         try:
             self.config: Config = config_from_dict(self.meta.config, str(self.path / META_FILE))
         except ConfigError as e:
-            raise CheckpointError(str(e)) from None
+            raise CheckpointError(e.source, e.key, e.message) from None
         self.tp = self.config.parallel.tensor
         self.pp = self.config.parallel.pipeline
         with torch.device("meta"):
@@ -128,8 +128,9 @@ class CheckpointReader:
             if candidate is not None and candidate.is_file():
                 return candidate
         raise CheckpointError(
-            f"{self.path}: its tokenizer is neither in {self.run_dir} ({' or '.join(TOKENIZER_FILES)}) nor "
-            f"{self.meta.tokenizer}"
+            self.path,
+            None,
+            f"its tokenizer is neither in {self.run_dir} ({' or '.join(TOKENIZER_FILES)}) nor {self.meta.tokenizer}",
         )
 
     def pieces(self, name: str) -> list[Piece]:
@@ -159,7 +160,7 @@ class CheckpointReader:
         if self.layers is None:
             module = state.get("module")
             if not isinstance(module, dict):
-                raise CheckpointError(f"{self.path / file}: holds no 'module' weights")
+                raise CheckpointError(self.path / file, None, "holds no 'module' weights")
             return {f"module.{k}": v for k, v in module.items()}
         return state
 
@@ -172,7 +173,7 @@ class CheckpointReader:
             expected = shard_identity(int(rank), self.tp, self.pp, layer=int(layer))
         problem = identity_problem(state.get(SHARD_KEY), expected)
         if problem:
-            raise CheckpointError(f"{self.path / file}: {problem}")
+            raise CheckpointError(self.path / file, None, problem)
 
     def check(self) -> None:
         """Every file the layout needs is there and holds exactly the tensors the config's model has, of
@@ -186,22 +187,25 @@ class CheckpointReader:
         for file, keys in wanted.items():
             if not (self.path / file).is_file():
                 raise CheckpointError(
-                    f"{self.path / file}: missing (the layout tensor={self.tp}, pipeline={self.pp} needs it)"
+                    self.path / file, None, f"missing (the layout tensor={self.tp}, pipeline={self.pp} needs it)"
                 )
             found = {k: tuple(v.shape) for k, v in self._weights(file).items() if isinstance(v, Tensor)}
             for key, shape in keys.items():
                 if key not in found:
                     raise CheckpointError(
-                        f"{self.path / file}: has no tensor {_shown(key)} (the config's model has it)"
+                        self.path / file, None, f"has no tensor {_shown(key)} (the config's model has it)"
                     )
                 if found[key] != shape:
                     raise CheckpointError(
-                        f"{self.path / file}: {_shown(key)} has shape {list(found[key])}, "
-                        f"the config's model {list(shape)}"
+                        self.path / file,
+                        None,
+                        f"{_shown(key)} has shape {list(found[key])}, the config's model {list(shape)}",
                     )
             extra = sorted(set(found) - set(keys))
             if extra:
-                raise CheckpointError(f"{self.path / file}: holds {_shown(extra[0])}, which the config's model has not")
+                raise CheckpointError(
+                    self.path / file, None, f"holds {_shown(extra[0])}, which the config's model has not"
+                )
 
     def tensor(self, name: str) -> Tensor:
         """The full tensor `name` as stored (its training dtype), put together from its shards."""
@@ -210,13 +214,13 @@ class CheckpointReader:
         for piece in self.pieces(name)[: 1 if split is None else None]:
             weights = self._weights(piece.file)
             if piece.key not in weights:
-                raise CheckpointError(f"{self.path / piece.file}: has no tensor {_shown(piece.key)}")
+                raise CheckpointError(self.path / piece.file, None, f"has no tensor {_shown(piece.key)}")
             pieces.append(weights[piece.key].clone())  # out of the mapped file, which closes with `weights`
             del weights
         full = pieces[0] if split is None else unshard(pieces, split.dim, split.parts)
         if tuple(full.shape) != self.shapes[name]:
             raise CheckpointError(
-                f"{self.path}: {name} has shape {list(full.shape)}, the config's model {list(self.shapes[name])}"
+                self.path, None, f"{name} has shape {list(full.shape)}, the config's model {list(self.shapes[name])}"
             )
         return full
 

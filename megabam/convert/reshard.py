@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from megabam.config import ConfigError
 from megabam.config.loader import config_from_dict, save_config
 from megabam.convert.optimizer_state import KINDS, OptimizerState
 from megabam.convert.output import check_output, output_folder
 from megabam.convert.reader import CheckpointReader
 from megabam.data.tokenizer import copy_tokenizer, load_tokenizer
+from megabam.errors import BadArgument
 from megabam.parallel.layout import ParallelLayout
 from megabam.parallel.pipeline_layers import shard_identity
 from megabam.train.checkpoint import CheckpointError, checkpoint_root, list_tags
@@ -48,7 +48,7 @@ def target_config(
     par, train, notes = raw["parallel"], raw["train"], []
     if zero_stage is not None and zero_stage != par["zero_stage"]:
         if zero_stage not in (1, 2):
-            raise ConfigError(SOURCE, "--zero-stage", f"must be 1 or 2 (the partitioned optimizer), got {zero_stage}")
+            raise BadArgument(None, "--zero-stage", f"must be 1 or 2 (the partitioned optimizer), got {zero_stage}")
         notes.append(f"parallel.zero_stage {par['zero_stage']} → {zero_stage}")
         par["zero_stage"] = zero_stage
     if pp != par["pipeline"] and par["pipeline_boundaries"]:
@@ -63,8 +63,8 @@ def target_config(
         par["data"] = dp
     micro_batches = source_dp * train["grad_accum"]  # per step, over all data-parallel ranks
     if micro_batches % dp:
-        raise ConfigError(
-            SOURCE,
+        raise BadArgument(
+            None,
             "--dp",
             f"{dp} does not divide the {micro_batches} micro-batches of a step (data {source_dp} × "
             f"train.grad_accum {train['grad_accum']}); the data order needs the same global batch",
@@ -96,12 +96,12 @@ def reshard(
     dp = state.dp if dp is None else dp
     for flag, n in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
         if n < 1:
-            raise ConfigError(SOURCE, flag, f"must be at least 1, got {n}")
+            raise BadArgument(None, flag, f"must be at least 1, got {n}")
     raw, notes = target_config(reader, tp, pp, dp, state.dp, zero_stage, out)
     tokenizer = reader.tokenizer_path()
     for rank in range(state.dp * reader.tp * reader.pp):
         if not (reader.path / f"rng_rank{rank:05d}.json").is_file():
-            raise CheckpointError(f"{reader.path / f'rng_rank{rank:05d}.json'}: missing (rank {rank}'s RNG state)")
+            raise CheckpointError(reader.path / f"rng_rank{rank:05d}.json", None, f"missing (rank {rank}'s RNG state)")
     world = tp * pp * dp
     with output_folder(out) as tmp:
         save_config(config_from_dict(raw, SOURCE), tmp / "config.yaml")
@@ -109,10 +109,10 @@ def reshard(
         metrics = reader.run_dir / "metrics.jsonl"
         if metrics.is_file():  # the resumed run drops its rows past the checkpoint (and any cut short)
             shutil.copyfile(metrics, tmp / "metrics.jsonl")
-        _run_ranks(world, str(reader.path), str(tmp), raw, str(out / copied.name))
+        _run_ranks(out, world, str(reader.path), str(tmp), raw, str(out / copied.name))
         written = list_tags(tmp)
         if not written:
-            raise CheckpointError(f"{tmp}: the ranks finished without writing a checkpoint")
+            raise CheckpointError(tmp, None, "the ranks finished without writing a checkpoint")
     lines = [
         f"resharded {reader.path} (step {reader.meta.step}; "
         f"data {state.dp} × pipeline {reader.pp} × tensor {reader.tp})",
@@ -125,8 +125,9 @@ def reshard(
     return lines
 
 
-def _run_ranks(world: int, *args) -> None:
-    """write_rank on `world` local processes; a rank's failure is one line naming it."""
+def _run_ranks(out: Path, world: int, *args) -> None:
+    """write_rank on `world` local processes; a rank's failure is one line naming it (and `out`, the folder
+    being written)."""
     import torch.multiprocessing as mp
 
     from megabam.parallel.distributed import run_local_world
@@ -135,10 +136,12 @@ def _run_ranks(world: int, *args) -> None:
         run_local_world(world, write_rank, *args)
     except mp.ProcessRaisedException as e:
         last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
-        raise CheckpointError(f"writing the resharded checkpoint failed on rank {e.error_index}: {last}") from None
+        raise CheckpointError(
+            out, None, f"writing the resharded checkpoint failed on rank {e.error_index}: {last}"
+        ) from None
     except mp.ProcessExitedException as e:
         raise CheckpointError(
-            f"writing the resharded checkpoint failed: rank {e.error_index} exited ({e.exit_code})"
+            out, None, f"writing the resharded checkpoint failed: rank {e.error_index} exited ({e.exit_code})"
         ) from None
 
 

@@ -190,12 +190,14 @@ def _tokenizer(args) -> list[str]:
         ids = f"pad {tok.pad_id}, bos {tok.bos_id}, eos {tok.eos_id}"
         return [f"tokenizer {args.load} ({kind}, {tok.path.name}): {tok.vocab_size} pieces, {ids}"]
     if not args.inputs or not args.out or not args.vocab_size:
-        raise DataError("training a tokenizer needs inputs, --out and --vocab-size (or check one with --load)")
+        raise DataError(
+            None, "--out", "training a tokenizer needs inputs, --out and --vocab-size (or check one with --load)"
+        )
     out = Path(args.out)
     if out.is_dir():
-        raise DataError(f"--out {out}: is a directory; give the path of the .model to write")
+        raise DataError(None, "--out", f"{out} is a directory; give the path of the .model to write")
     if out.exists() and not args.overwrite:
-        raise DataError(f"--out {out}: exists; pass --overwrite to replace it")
+        raise DataError(None, "--out", f"{out} exists; pass --overwrite to replace it")
     stats = SourceStats()
     docs = read_documents(
         expand_inputs(args.inputs, args.hf_split),
@@ -218,8 +220,8 @@ def _tokenizer(args) -> list[str]:
         )
     except RuntimeError as e:  # sentencepiece: e.g. too little text for the vocabulary size
         if stats.documents == 0:
-            raise DataError(f"inputs {' '.join(args.inputs)} hold no non-empty document") from None
-        raise DataError(f"tokenizer training failed: {str(e).splitlines()[0]}") from None
+            raise DataError(" ".join(args.inputs), None, "the inputs hold no non-empty document") from None
+        raise DataError(args.out, None, f"tokenizer training failed: {str(e).splitlines()[0]}") from None
     return [f"tokenizer {args.out}: {tok.vocab_size} pieces ({args.model_type})"]
 
 
@@ -232,17 +234,21 @@ def _check_shard_options(args) -> None:
     from streaming.base.util import bytes_to_int
 
     if args.workers < 0:
-        raise DataError(f"--workers: must be 0 (in the main process) or more, got {args.workers}")
+        raise DataError(None, "--workers", f"must be 0 (in the main process) or more, got {args.workers}")
     if args.num_shards < 1 or not 0 <= args.shard_index < args.num_shards:
-        raise DataError(f"--shard-index: {args.shard_index} must lie in 0..{args.num_shards - 1} (--num-shards)")
+        raise DataError(
+            None, "--shard-index", f"{args.shard_index} must lie in 0..{args.num_shards - 1} (--num-shards)"
+        )
     if args.compression != "none" and args.compression not in get_compressions():
-        raise DataError(f"--compression: unknown {args.compression!r} (zstd, zstd:LEVEL, gz, br, bz2, snappy, none)")
+        raise DataError(
+            None, "--compression", f"unknown {args.compression!r} (zstd, zstd:LEVEL, gz, br, bz2, snappy, none)"
+        )
     for flag, value in (("--size-limit", args.size_limit), ("--task-size", args.task_size)):
         try:
             if bytes_to_int(value) < 1:
                 raise ValueError
         except ValueError:
-            raise DataError(f"{flag}: {value!r} is not a size (e.g. 64mb, 1gb, 500000)") from None
+            raise DataError(None, flag, f"{value!r} is not a size (e.g. 64mb, 1gb, 500000)") from None
 
 
 def _prepare(args) -> list[str]:
@@ -296,9 +302,9 @@ def _synth(args) -> list[str]:
         try:
             Path(args.essay).read_bytes().decode("utf-8")
         except OSError as e:
-            raise DataError(f"--essay {args.essay}: cannot read ({e.strerror})") from None
+            raise DataError(args.essay, "--essay", f"cannot read ({e.strerror})") from None
         except UnicodeDecodeError as e:
-            raise DataError(f"--essay {args.essay}: not UTF-8 text (byte {e.start})") from None
+            raise DataError(args.essay, "--essay", f"not UTF-8 text (byte {e.start})") from None
     counts = write_synthetic_dataset(
         args.kind,
         args.out,

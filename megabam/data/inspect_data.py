@@ -42,7 +42,7 @@ def inspect_dataset(
     """
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{path} does not exist")
+        raise DataError(path, None, "does not exist")
     splits = [path / s for s in ("train", "val") if (path / s / "index.json").exists()] or [path]
     if tokenizer_path is None:
         tokenizer_path = tokenizer_in(path)
@@ -65,7 +65,7 @@ def _inspect_split(
         s_lo, s_hi = int(ids.min()), int(ids.max())
         if vocab is not None and (s_hi >= vocab or s_lo < 0):
             bad = s_hi if s_hi >= vocab else s_lo
-            raise DataError(f"{mds_dir}: sample {i} holds token id {bad}, outside the vocabulary of {vocab}")
+            raise DataError(mds_dir, None, f"sample {i} holds token id {bad}, outside the vocabulary of {vocab}")
         lo = s_lo if lo is None else min(lo, s_lo)
         hi = s_hi if hi is None else max(hi, s_hi)
         if s_hi >= len(counts):

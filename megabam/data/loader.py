@@ -106,7 +106,7 @@ def _checked_dataset_class():
             for reader in self.shards:
                 where = os.path.join(reader.dirname, reader.split or "", reader.raw_data.basename)
                 if type(reader).__name__ != "MDSReader":
-                    raise DataError(f"{where}: {type(reader).__name__} shards are not MDS (megabam reads MDS only)")
+                    raise DataError(where, None, f"{type(reader).__name__} shards are not MDS (megabam reads MDS only)")
                 check_columns(where, reader.column_names, reader.column_encodings)
 
         def on_exception(self, future) -> None:
@@ -118,7 +118,7 @@ def _checked_dataset_class():
             yield from super().__iter__()
             failure = getattr(self, "_shard_failure", None)
             if failure is not None:
-                raise DataError(f"reading shards failed: {failure}") from failure
+                raise DataError("<data>", None, f"reading shards failed: {failure}") from failure
 
     return CheckedStreamingDataset
 
@@ -129,7 +129,9 @@ def collate_samples(samples: list[dict[str, np.ndarray]], vocab_size: int | None
     stacked = np.stack([s["tokens"] for s in samples])
     if vocab_size is not None and (stacked.max() >= vocab_size or stacked.min() < 0):
         bad = int(stacked.max() if stacked.max() >= vocab_size else stacked.min())
-        raise DataError(f"token id {bad} in the data lies outside the vocabulary of {vocab_size} (model.vocab_size)")
+        raise DataError(
+            "<data>", "model.vocab_size", f"token id {bad} in the data lies outside the vocabulary of {vocab_size}"
+        )
     tokens = torch.from_numpy(stacked.astype(np.int64))
     length = tokens.shape[1] - 1
     doc_ids = np.stack([doc_ids_from_starts(s["doc_starts"], length) for s in samples])

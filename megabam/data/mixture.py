@@ -30,17 +30,17 @@ class StreamSpec:
 def check_streams(streams: list[StreamSpec]) -> None:
     """Refuse (DataError) an empty mixture, a weight or repeat ≤ 0, or weights on only some streams."""
     if not streams:
-        raise DataError("a mixture needs at least one stream")
+        raise DataError("<data>", "data.streams", "a mixture needs at least one stream")
     weighted = [s.weight is not None for s in streams]
     for i, s in enumerate(streams):
         if s.weight is not None and not s.weight > 0:
-            raise DataError(f"stream {i} ({s.local}): weight must be positive, got {s.weight}")
+            raise DataError(s.local, f"data.streams[{i}].weight", f"must be positive, got {s.weight}")
         if s.repeat is not None and not s.repeat > 0:
-            raise DataError(f"stream {i} ({s.local}): repeat must be positive, got {s.repeat}")
+            raise DataError(s.local, f"data.streams[{i}].repeat", f"must be positive, got {s.repeat}")
         if s.weight is not None and s.repeat is not None:
-            raise DataError(f"stream {i} ({s.local}): give a weight or a repeat, not both")
+            raise DataError(s.local, f"data.streams[{i}]", "give a weight or a repeat, not both")
     if any(weighted) and not all(weighted):
-        raise DataError("give a weight to every stream of a mixture or to none")
+        raise DataError("<data>", "data.streams", "give a weight to every stream of a mixture or to none")
 
 
 def make_streams(streams: list[StreamSpec]) -> list:

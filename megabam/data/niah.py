@@ -142,7 +142,7 @@ def niah_sample(
     tail = tokenizer.encode(question)
     n_hay = n_tokens - len(head) - sum(map(len, needles)) - len(tail)
     if n_hay < 0:
-        raise PromptTooShort(f"n_tokens={n_tokens} is too short for a {variant} prompt")
+        raise PromptTooShort(None, "n_tokens", f"{n_tokens} is too short for a {variant} prompt")
     if variant in NOISE_VARIANTS:
         unit, step = tokenizer.encode(FILLER), None
     else:

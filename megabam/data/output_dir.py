@@ -13,7 +13,7 @@ from megabam.data.errors import DataError
 def check_output(out: Path, overwrite: bool) -> None:
     """Refuse an existing ``out`` unless ``overwrite``; called before any work starts."""
     if out.exists() and not overwrite:
-        raise DataError(f"{out} already exists; pass --overwrite to replace it")
+        raise DataError(out, None, "already exists; pass --overwrite to replace it")
 
 
 @contextmanager

@@ -54,7 +54,7 @@ def passkey_sample(tokenizer: Tokenizer, n_tokens: int, depth: float, key: str) 
     unit = tokenizer.encode(FILLER)
     n_filler = n_tokens - len(head) - len(needle) - len(question)
     if n_filler < 0:
-        raise PromptTooShort(f"n_tokens={n_tokens} is too short for a passkey prompt")
+        raise PromptTooShort(None, "n_tokens", f"{n_tokens} is too short for a passkey prompt")
     n_units = -(-n_filler // len(unit))
     filler = (unit * n_units)[:n_filler]
     cut = min(round(depth * n_filler / len(unit)) * len(unit), n_filler)

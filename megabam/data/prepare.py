@@ -154,11 +154,11 @@ def prepare_dataset(
     """
     out = Path(out)
     if seq_len < 1:
-        raise DataError(f"seq_len must be at least 1, got {seq_len}")
+        raise DataError(None, "--seq-len", f"must be at least 1, got {seq_len}")
     if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val fraction must lie in [0, 1), got {val_fraction}")
+        raise DataError(None, "--val-fraction", f"must lie in [0, 1), got {val_fraction}")
     if num_shards < 1 or not 0 <= shard_index < num_shards:
-        raise DataError(f"--shard-index {shard_index} must lie in 0..--num-shards-1 ({num_shards} shards)")
+        raise DataError(None, "--shard-index", f"{shard_index} must lie in 0..--num-shards-1 ({num_shards} shards)")
     check_output(out, overwrite)
     tokenizer = load_tokenizer(tokenizer_path)
     paths = expand_inputs(inputs, hf_split)
@@ -247,8 +247,10 @@ def _publish_plan(staging: Path, plan: dict) -> None:
         if theirs != plan:
             keys = [k for k in plan if theirs.get(k) != plan[k]]
             raise DataError(
-                f"{staging}: an unfinished prepare of other {', '.join(keys)} is there; finish it with its own "
-                "arguments, or remove the folder to start this one"
+                staging,
+                None,
+                f"an unfinished prepare of other {', '.join(keys)} is there; finish it with its own "
+                "arguments, or remove the folder to start this one",
             ) from None
     finally:
         tmp.unlink()
@@ -258,9 +260,9 @@ def _read_plan(staging: Path) -> dict:
     try:
         plan = json.loads((staging / PLAN).read_text())
     except (OSError, ValueError) as e:
-        raise DataError(f"{staging / PLAN}: unreadable ({e})") from None
+        raise DataError(staging / PLAN, None, f"unreadable ({e})") from None
     if not isinstance(plan, dict) or not isinstance(plan.get("tasks"), list):
-        raise DataError(f"{staging / PLAN}: not a prepare plan")
+        raise DataError(staging / PLAN, None, "not a prepare plan")
     return plan
 
 
@@ -347,8 +349,10 @@ def _run_tasks(staging: Path, plan: dict, todo: list[int], workers: int, progres
                     future.result()  # a worker's DataError comes out here, one line
         except BrokenProcessPool:
             raise WorkerLost(
+                None,
+                None,
                 "a prepare worker process died (killed, or out of memory?); the finished tasks are kept: "
-                "run the same command again to do the rest"
+                "run the same command again to do the rest",
             ) from None
         finally:
             for future in futures:
@@ -459,7 +463,7 @@ def merge_prepared(
     out = Path(out)
     staging = staging or out.parent / f".{out.name}.prepare"
     if not (staging / PLAN).is_file():
-        raise DataError(f"{out}: no prepare to merge ({staging / PLAN} not found)")
+        raise DataError(out, None, f"no prepare to merge ({staging / PLAN} not found)")
     plan = _read_plan(staging)
     try:
         lock = open(staging / MERGE_LOCK, "a")
@@ -477,21 +481,23 @@ def merge_prepared(
         missing = sorted(set(range(n_tasks)) - _done_tasks(staging))
         if missing:
             raise DataError(
-                f"{out}: {len(missing)} of {n_tasks} tasks are not done (first: {missing[0]}); run the prepare "
-                "again with the same arguments (each --shard-index that owns them) to finish them"
+                out,
+                None,
+                f"{len(missing)} of {n_tasks} tasks are not done (first: {missing[0]}); run the prepare "
+                "again with the same arguments (each --shard-index that owns them) to finish them",
             )
         summary = PrepareSummary()
         for task in range(n_tasks):
             record = json.loads((staging / DONE / f"{_task_name(task)}.json").read_text())
             if record["tokenizer_sha1"] != plan["tokenizer"]["sha1"]:
-                raise DataError(f"{out}: task {task} was tokenized with another tokenizer than the plan's")
+                raise DataError(out, None, f"task {task} was tokenized with another tokenizer than the plan's")
             summary.add(PrepareSummary.from_dict(record["summary"]))
         summary.seconds = seconds if seconds is not None else summary.seconds
         _check_counts(summary, plan)
         for split in SPLITS:
             _merge_index(staging / split, [staging / split / _task_name(t) / "index.json" for t in range(n_tasks)])
         if _sha1(plan["tokenizer"]["path"]) != plan["tokenizer"]["sha1"]:
-            raise DataError(f"{out}: the tokenizer {plan['tokenizer']['path']} changed since the prepare began")
+            raise DataError(out, None, f"the tokenizer {plan['tokenizer']['path']} changed since the prepare began")
         tokenizer = open_tokenizer(copy_tokenizer(open_tokenizer(plan["tokenizer"]["path"]), staging))
         s = plan["settings"]
         meta = {
@@ -519,11 +525,13 @@ def merge_prepared(
 def _check_counts(summary: PrepareSummary, plan: dict) -> None:
     sample_len = plan["settings"]["seq_len"] + 1
     if summary.documents == 0:
-        raise DataError(f"inputs {' '.join(plan['inputs'])} hold no non-empty document")
+        raise DataError(" ".join(plan["inputs"]), None, "the inputs hold no non-empty document")
     if summary.samples["train"] == 0:
-        raise DataError(f"{summary.tokens:,} tokens fill no training sample of {sample_len} tokens")
+        raise DataError(None, "--seq-len", f"{summary.tokens:,} tokens fill no training sample of {sample_len} tokens")
     if plan["settings"]["val_fraction"] > 0 and summary.samples["val"] == 0:
-        raise DataError(f"no validation sample of {sample_len} tokens came out; raise --val-fraction or add data")
+        raise DataError(
+            None, "--val-fraction", f"no validation sample of {sample_len} tokens came out; raise it or add data"
+        )
 
 
 def _merge_index(split_dir: Path, part_indexes: list[Path]) -> None:

@@ -35,8 +35,10 @@ def check_columns(where: str, names, encodings) -> None:
     for name, encoding in zip(names, encodings):
         if not isinstance(encoding, str) or not is_safe_encoding(encoding):
             raise DataError(
-                f"{where}: column {name!r} has encoding {encoding!r}, which megabam does not decode "
-                "(pickles and images are refused; allowed: numbers, str, bytes, json, ndarray)"
+                where,
+                None,
+                f"column {name!r} has encoding {encoding!r}, which megabam does not decode "
+                "(pickles and images are refused; allowed: numbers, str, bytes, json, ndarray)",
             )
 
 
@@ -96,17 +98,17 @@ def read_index(mds_dir: str | os.PathLike) -> dict:
     try:
         index = json.loads(path.read_text())
     except FileNotFoundError:
-        raise DataError(f"{mds_dir}: not an MDS dataset (no index.json)") from None
+        raise DataError(mds_dir, None, "not an MDS dataset (no index.json)") from None
     except (OSError, ValueError) as e:
-        raise DataError(f"{path}: unreadable index ({e})") from None
+        raise DataError(path, None, f"unreadable index ({e})") from None
     shards = index.get("shards") if isinstance(index, dict) else None
     if not isinstance(shards, list):
-        raise DataError(f"{path}: not an MDS index (expected an object with a list of shards)")
+        raise DataError(path, None, "not an MDS index (expected an object with a list of shards)")
     for i, shard in enumerate(shards):
         where = f"{path}: shard {i}"
         if not isinstance(shard, dict) or shard.get("format") != "mds":
             kind = shard.get("format") if isinstance(shard, dict) else type(shard).__name__
-            raise DataError(f"{where}: format {kind!r} is not MDS (megabam reads MDS shards only)")
+            raise DataError(where, None, f"format {kind!r} is not MDS (megabam reads MDS shards only)")
         raw, zipped = shard.get("raw_data"), shard.get("zip_data")
         names, encodings = shard.get("column_names"), shard.get("column_encodings")
         if not (
@@ -119,10 +121,12 @@ def read_index(mds_dir: str | os.PathLike) -> dict:
             and isinstance(encodings, list)
             and len(names) == len(encodings)
         ):
-            raise DataError(f"{where}: malformed entry (raw_data, zip_data, samples, column_names, column_encodings)")
+            raise DataError(
+                where, None, "malformed entry (raw_data, zip_data, samples, column_names, column_encodings)"
+            )
         for name in (raw["basename"], zipped["basename"] if zipped else "x"):
             if not _inside(name):
-                raise DataError(f"{where}: shard file name {name!r} points outside the dataset")
+                raise DataError(where, None, f"shard file name {name!r} points outside the dataset")
         check_columns(f"{where} ({raw['basename']})", names, encodings)
     return index
 
@@ -151,15 +155,15 @@ def verify_shards(mds_dir: str | os.PathLike, hashes: bool = True) -> int:
         try:
             size = path.stat().st_size
         except OSError:
-            raise DataError(f"{path}: shard file missing") from None
+            raise DataError(path, None, "shard file missing") from None
         if size != info["bytes"]:
-            raise DataError(f"{path}: shard truncated or corrupted ({size} bytes, index says {info['bytes']})")
+            raise DataError(path, None, f"shard truncated or corrupted ({size} bytes, index says {info['bytes']})")
         if not hashes:
             continue
         data = path.read_bytes()
         for algo, want in info.get("hashes", {}).items():
             if algo in hashlib.algorithms_available and hashlib.new(algo, data).hexdigest() != want:
-                raise DataError(f"{path}: shard corrupted ({algo} hash mismatch)")
+                raise DataError(path, None, f"shard corrupted ({algo} hash mismatch)")
     return len(shards)
 
 
@@ -172,7 +176,9 @@ def _undecodable(path: Path, what: str):
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"{path}: not a readable MDS shard, cannot be {what} ({type(e).__name__}: {e})"[:300]) from None
+        raise DataError(
+            path, None, f"not a readable MDS shard, cannot be {what} ({type(e).__name__}: {e})"[:300]
+        ) from None
 
 
 def iter_mds_samples(mds_dir: str | os.PathLike, limit: int | None = None) -> Iterator[dict]:
@@ -194,7 +200,7 @@ def iter_mds_samples(mds_dir: str | os.PathLike, limit: int | None = None) -> It
             where = mds_dir
             if not (mds_dir / raw).exists():
                 if not shard.get("zip_data"):
-                    raise DataError(f"{mds_dir / raw}: shard file missing")
+                    raise DataError(mds_dir / raw, None, "shard file missing")
                 data = (mds_dir / shard["zip_data"]["basename"]).read_bytes()
                 (Path(tmp) / raw).parent.mkdir(parents=True, exist_ok=True)
                 with _undecodable(mds_dir / shard["zip_data"]["basename"], "decompressed"):

@@ -60,7 +60,7 @@ def expand_inputs(specs: list[str], hf_split: str = "train") -> list[Path]:
         matches = [Path(p) for p in sorted(glob.glob(spec, recursive=True))] if glob.has_magic(spec) else [Path(spec)]
         matches = [p for p in matches if p.exists()]
         if not matches:
-            raise DataError(f"input {spec!r} does not exist or matches nothing")
+            raise DataError(spec, None, "does not exist or matches nothing")
         for path in matches:
             if path.is_dir() and _is_hf_dataset(path):
                 found.extend(_hf_data_files(path, hf_split))
@@ -78,15 +78,16 @@ def expand_inputs(specs: list[str], hf_split: str = "train") -> list[Path]:
                 files = [f for p in entries for f in (_hf_data_files(p, hf_split) if p in hf_dirs else [p])]
                 if not files:
                     raise DataError(
-                        f"input directory {path} holds no .txt/.jsonl (plain, .gz or .zst), .parquet or .arrow files"
+                        path, None, "a directory without .txt/.jsonl (plain, .gz or .zst), .parquet or .arrow files"
                     )
                 found.extend(files)
             elif path.is_dir() or _kind(path) is not None:
                 found.append(path)
             else:
                 raise DataError(
-                    f"input {path}: unknown file kind (expected .txt/.md/.jsonl/.json, plain, .gz or .zst; "
-                    ".parquet; .arrow)"
+                    path,
+                    None,
+                    "unknown file kind (expected .txt/.md/.jsonl/.json, plain, .gz or .zst; .parquet; .arrow)",
                 )
     return found
 
@@ -103,9 +104,9 @@ def read_json_object(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise DataError(f"{path}: not a readable JSON file ({e})") from None
+        raise DataError(path, None, f"not a readable JSON file ({e})") from None
     if not isinstance(data, dict):
-        raise DataError(f"{path}: not a JSON object")
+        raise DataError(path, None, "not a JSON object")
     return data
 
 
@@ -114,29 +115,31 @@ def _hf_data_files(folder: Path, split: str) -> list[Path]:
     if (folder / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: a Dataset folder per split
         splits = read_json_object(folder / "dataset_dict.json").get("splits")
         if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
-            raise DataError(f"{folder / 'dataset_dict.json'}: no list of splits")
+            raise DataError(folder / "dataset_dict.json", None, "no list of splits")
         if split not in splits:
-            raise DataError(f"{folder}: no split {split!r} (splits: {', '.join(splits)}; choose one with --hf-split)")
+            raise DataError(
+                folder, None, f"no split {split!r} (splits: {', '.join(splits)}; choose one with --hf-split)"
+            )
         return _hf_data_files(folder / split, split)
     if (folder / "state.json").is_file():  # Dataset.save_to_disk: state.json lists its Arrow files in order
         files = read_json_object(folder / "state.json").get("_data_files")
         if not isinstance(files, list) or not all(isinstance(f, dict) and "filename" in f for f in files):
-            raise DataError(f"{folder / 'state.json'}: no list of data files (_data_files)")
+            raise DataError(folder / "state.json", None, "no list of data files (_data_files)")
         paths = [folder / f["filename"] for f in files]
         for path in paths:
             if path.parent != folder or not path.is_file():
-                raise DataError(f"{folder / 'state.json'}: names {path.name!r}, which is not a file in {folder}")
+                raise DataError(folder / "state.json", None, f"names {path.name!r}, which is not a file in {folder}")
         return paths
     # A hub download: Parquet/Arrow files under data/, of one split where their names say several.
     files = sorted(p for p in (folder / "data").rglob("*") if p.is_file() and _kind(p) in ("parquet", "arrow"))
     if not files:
-        raise DataError(f"{folder}: a Hugging Face dataset folder with no .parquet or .arrow files under data/")
+        raise DataError(folder, None, "a Hugging Face dataset folder with no .parquet or .arrow files under data/")
     named = [HF_SHARD_NAME.match(p.name) for p in files]
     if not all(named):
         return files  # files not named by split (FineWeb's data/CC-MAIN-*/000_00000.parquet): all of them
     splits = sorted({m["split"] for m in named})
     if split not in splits:
-        raise DataError(f"{folder}: no split {split!r} (splits: {', '.join(splits)}; choose one with --hf-split)")
+        raise DataError(folder, None, f"no split {split!r} (splits: {', '.join(splits)}; choose one with --hf-split)")
     return [p for p, m in zip(files, named) if m["split"] == split]
 
 
@@ -216,7 +219,7 @@ def _decode(data: bytes, where: str, on_bad_utf8: str, stats: SourceStats) -> st
     except UnicodeDecodeError as e:
         if on_bad_utf8 == "fail":
             raise DataError(
-                f"{where}: not valid UTF-8 (byte {e.start}); pass --on-bad-utf8 replace to keep it"
+                where, None, f"not valid UTF-8 (byte {e.start}); pass --on-bad-utf8 replace to keep it"
             ) from None
         stats.bad_utf8 += 1
         return data.decode("utf-8", errors="replace")
@@ -250,7 +253,7 @@ def _text_documents(
             for where, line in _lines(f, path, span):
                 yield _decode(line, where, on_bad_utf8, stats).rstrip("\r\n")
         except (OSError, EOFError) as e:  # truncated or corrupt compressed file
-            raise DataError(f"{path}: cannot read ({e})") from None
+            raise DataError(path, None, f"cannot read ({e})") from None
 
 
 def _jsonl_documents(
@@ -264,12 +267,12 @@ def _jsonl_documents(
                 try:
                     record = json.loads(_decode(line, where, on_bad_utf8, stats))
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: not a JSON object ({e.msg})") from None
+                    raise DataError(where, None, f"not a JSON object ({e.msg})") from None
                 if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                    raise DataError(f"{where}: no string field {field!r} (set it with --field)")
+                    raise DataError(where, None, f"no string field {field!r} (set it with --field)")
                 yield record[field]
         except (OSError, EOFError) as e:
-            raise DataError(f"{path}: cannot read ({e})") from None
+            raise DataError(path, None, f"cannot read ({e})") from None
 
 
 def _record_batches(path: Path, field: str, span: list[int] | None):
@@ -297,7 +300,7 @@ def _record_batches(path: Path, field: str, span: list[int] | None):
 
 
 def _unreadable(path: Path, e: Exception) -> DataError:
-    return DataError(f"{path}: cannot read as {_kind(path)} ({str(e).splitlines()[0]})")
+    return DataError(path, None, f"cannot read as {_kind(path)} ({str(e).splitlines()[0]})")
 
 
 def _columnar_documents(path: Path, field: str, span: list[int] | None) -> Iterator[str]:
@@ -306,11 +309,13 @@ def _columnar_documents(path: Path, field: str, span: list[int] | None) -> Itera
     try:
         names, batches = _record_batches(path, field, span)
         if field not in names:
-            raise DataError(f"{path}: no column {field!r} (columns: {', '.join(names) or 'none'}; set it with --field)")
+            raise DataError(
+                path, None, f"no column {field!r} (columns: {', '.join(names) or 'none'}; set it with --field)"
+            )
         for batch in batches:
             column = batch.column(0)
             if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-                raise DataError(f"{path}: column {field!r} holds {column.type}, not text")
+                raise DataError(path, None, f"column {field!r} holds {column.type}, not text")
             for text in column.to_pylist():
                 yield text or ""  # a null is an empty document: skipped and counted
     except (pa.ArrowException, OSError) as e:  # corrupt or truncated file
@@ -376,6 +381,6 @@ def _mds_documents(path: Path, field: str) -> Iterator[str]:
     shards = read_index(path)["shards"]
     columns = shards[0]["column_names"] if shards else []
     if field not in columns:
-        raise DataError(f"{path}: MDS shards have no column {field!r} (columns: {', '.join(columns) or 'none'})")
+        raise DataError(path, None, f"MDS shards have no column {field!r} (columns: {', '.join(columns) or 'none'})")
     for sample in iter_mds_samples(path):
         yield sample[field]

@@ -52,9 +52,11 @@ def write_synthetic_dataset(
 ) -> dict[str, int]:
     """Write ``n_train`` + ``n_val`` ``kind`` samples of ``seq_len + 1`` tokens to ``out``; return counts."""
     if kind not in KINDS:
-        raise DataError(f"unknown synthetic kind {kind!r} (known: {', '.join(KINDS)})")
+        raise DataError(None, "--kind", f"unknown synthetic kind {kind!r} (known: {', '.join(KINDS)})")
     if n_train < 1 or n_val < 0:
-        raise DataError(f"need at least one training sample and no negative count, got {n_train} and {n_val}")
+        raise DataError(
+            None, "--train", f"need at least one training sample and no negative count, got {n_train} and {n_val}"
+        )
     tokenizer = load_tokenizer(tokenizer_path)
     essay = Path(essay_path).read_text() if essay_path else None  # None: the essay variants' default prose
     rng = random.Random(seed)
@@ -66,7 +68,7 @@ def write_synthetic_dataset(
                     # the eos closes the document: seq_len tokens of prompt and answer, then eos
                     tokens = synthetic_tokens(kind, tokenizer, seq_len, rng, essay) + [tokenizer.eos_id]
                 except ValueError as e:
-                    raise DataError(f"{kind} at seq_len {seq_len}: {e}") from None
+                    raise DataError(None, "--seq-len", f"{kind} at {seq_len} tokens: {e}") from None
                 write_sample(writer, PackedSample(np.array(tokens, dtype=np.int32), np.zeros(1, dtype=np.int32)))
             writer.finish()
         copy_tokenizer(tokenizer, tmp)

@@ -108,8 +108,10 @@ class HFTokenizer(Tokenizer):
         eos_id = self._id(eos)
         if eos_id is None:
             raise DataError(
-                f"tokenizer {self.path}: no end-of-sequence token (no eos_token in a {HF_CONFIG} beside it, none in "
-                f"its post-processor, no special token named {' or '.join(EOS_NAMES)}): give its save_pretrained folder"
+                self.path,
+                None,
+                f"no end-of-sequence token (no eos_token in a {HF_CONFIG} beside it, none in its "
+                f"post-processor, no special token named {' or '.join(EOS_NAMES)}): give its save_pretrained folder",
             )
         self.eos_id = eos_id
 
@@ -169,7 +171,7 @@ def open_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if path.is_dir():
         found = tokenizer_in(path)
         if found is None:
-            raise DataError(f"tokenizer {path}: a folder without {' or '.join(TOKENIZER_FILES)}")
+            raise DataError(path, None, f"a tokenizer folder without {' or '.join(TOKENIZER_FILES)}")
         path = found
     return HFTokenizer(path) if path.name.lower().endswith(".json") else SentencePieceTokenizer(path)
 
@@ -261,20 +263,22 @@ def load_tokenizer(path: str | os.PathLike, expected_vocab_size: int | None = No
     if not where.exists():
         if HUB_ID.match(str(path)):
             raise DataError(
-                f"tokenizer {path}: not a local path (a hub id?); only local files are read, nothing is downloaded: "
-                "save the tokenizer with save_pretrained (or download its repository) and give the folder"
+                path,
+                None,
+                "the tokenizer is not a local path (a hub id?); only local files are read, nothing is downloaded: "
+                "save the tokenizer with save_pretrained (or download its repository) and give the folder",
             )
-        raise DataError(f"tokenizer {path} does not exist")
+        raise DataError(path, None, "tokenizer does not exist")
     try:
         tokenizer = open_tokenizer(where)
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 -- sentencepiece raises OSError/RuntimeError, tokenizers a bare Exception
         kind = "Hugging Face tokenizer.json" if where.suffix == ".json" or where.is_dir() else "sentencepiece model"
-        raise DataError(f"tokenizer {path} is not a {kind} ({str(e).splitlines()[0] if str(e) else e!r})") from None
+        raise DataError(path, None, f"not a {kind} ({str(e).splitlines()[0] if str(e) else e!r})") from None
     if expected_vocab_size is not None and tokenizer.vocab_size != expected_vocab_size:
         raise DataError(
-            f"tokenizer {path} has {tokenizer.vocab_size} pieces but model.vocab_size is {expected_vocab_size}"
+            path, "model.vocab_size", f"{expected_vocab_size}, but the tokenizer has {tokenizer.vocab_size} pieces"
         )
     return tokenizer
 

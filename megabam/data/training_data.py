@@ -53,19 +53,22 @@ def prepared_mixture(
         meta = json.loads(meta_path.read_text()) if s.remote is None and meta_path.exists() else None
         if meta is not None and meta["seq_len"] != seq_len:
             raise DataError(
-                f"stream {i} ({s.path}) was prepared for seq_len {meta['seq_len']}, data.seq_len is {seq_len}"
+                s.path, "data.seq_len", f"{seq_len}, but stream {i} was prepared for seq_len {meta['seq_len']}"
             )
         if meta is not None and meta["vocab_size"] != vocab_size:
             raise DataError(
-                f"stream {i} ({s.path}) was tokenized with {meta['vocab_size']} pieces, "
-                f"model.vocab_size is {vocab_size}"
+                s.path,
+                "model.vocab_size",
+                f"{vocab_size}, but stream {i} was tokenized with {meta['vocab_size']} pieces",
             )
         if s.remote is None:
             if not (Path(s.path) / "train" / "index.json").exists():
                 raise DataError(
-                    f"stream {i}: {s.path} is not a prepared dataset (no train/index.json); training reads what "
+                    s.path,
+                    f"data.streams[{i}]",
+                    "not a prepared dataset (no train/index.json); training reads what "
                     f"`megabam data prepare {s.path} --out DIR --tokenizer {tokenizer_path} --seq-len {seq_len}` "
-                    "writes (from text, JSON Lines, Parquet, Arrow or a datasets folder)"
+                    "writes (from text, JSON Lines, Parquet, Arrow or a datasets folder)",
                 )
             # Streaming checks hashes only when it downloads; a local shard cut short by a failed copy
             # is caught here by its size (cheap: no shard is read), a bit flip only by hashing it all.
@@ -77,8 +80,10 @@ def prepared_mixture(
     check_streams(train)
     if not val and validation:
         raise DataError(
+            "<data>",
+            "data.streams",
             "no stream has validation samples (prepare with --val-fraction > 0, or synth with --val; "
-            "train.eval_batches=0 trains without validation)"
+            "train.eval_batches=0 trains without validation)",
         )
     return TrainingData(train, val, Path(tokenizer_path))
 

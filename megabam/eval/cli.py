@@ -14,7 +14,7 @@ from pathlib import Path
 from megabam import exit_codes
 from megabam.config.schema import MAX_TOKENS
 from megabam.data.niah import VARIANTS
-from megabam.errors import UserError
+from megabam.errors import BadArgument
 
 
 def add_eval_parser(sub) -> None:
@@ -118,7 +118,7 @@ def _repro(args) -> list[str]:
         default_steps = [f"train.steps={study.steps}"] if study.steps else []
         configs = [load_config(REPO / study.config, [*default_steps, *study.arms[a], *args.overrides]) for a in arms]
     except ConfigError as e:
-        raise BadArgument(str(e)) from None
+        raise BadArgument(e.source, e.key, e.message) from None
     steps = args.steps or configs[0].train.steps
     out = Path(args.out) if args.out else Path("runs") / f"repro-{args.study}"
     lengths = sorted(set(args.lengths))
@@ -186,7 +186,9 @@ def _plot_attention(args) -> Path:
     try:
         ids, marks = passkey_prompt(trained, length)
     except PromptTooShort:
-        raise BadArgument(f"--length {length} (default data.seq_len) is too short for a passkey prompt") from None
+        raise BadArgument(
+            None, "--length", f"{length} (default data.seq_len) is too short for a passkey prompt"
+        ) from None
     return plot_attention(trained, ids, marks, _plot_path(args, trained.run_dir, f"attention-{trained.tag}"))
 
 
@@ -210,13 +212,9 @@ def _trained(source: str):
     return load_trained(source)
 
 
-class BadArgument(UserError):
-    """A command-line value out of range; the message names the option."""
-
-
 def _require(ok: bool, message: str) -> None:
     if not ok:
-        raise BadArgument(message)
+        raise BadArgument(None, None, message)
 
 
 def _load(args):
@@ -229,7 +227,7 @@ def _load(args):
     try:
         device = torch.device(args.device)
     except RuntimeError:
-        raise BadArgument(f"--device {args.device!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+        raise BadArgument(None, "--device", f"{args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
     if not torch.cuda.is_available():
         _require(device.type != "cuda", f"--device {args.device}: no CUDA device on this machine")
     trained = load_trained(args.source or args.hf, args.device)

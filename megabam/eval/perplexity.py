@@ -25,9 +25,9 @@ def read_text(path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+        raise DataError(path, None, f"cannot read ({e.strerror})") from None
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        raise DataError(path, None, f"not UTF-8 text (byte {e.start})") from None
 
 
 def evaluation_tokens(tokenizer: Tokenizer, text: str | None, dataset: str | None, max_tokens: int) -> list[int]:
@@ -35,7 +35,7 @@ def evaluation_tokens(tokenizer: Tokenizer, text: str | None, dataset: str | Non
     if text is not None:
         return tokenizer.encode(read_text(text))[:max_tokens]
     if not Path(dataset, "index.json").is_file():
-        raise DataError(f"{dataset}: not an MDS dataset (no index.json)")
+        raise DataError(dataset, None, "not an MDS dataset (no index.json)")
     tokens: list[int] = []
     for sample in iter_mds_samples(dataset):
         tokens += sample["tokens"].tolist()

@@ -29,7 +29,7 @@ class NothingToPlot(UserError):
 def plot_priors(trained: Trained, out: Path, max_distance: int | None = None) -> Path:
     layers = [(i, b.mixer) for i, b in enumerate(trained.model.blocks) if getattr(b.mixer, "prior", None) is not None]
     if not layers:
-        raise NothingToPlot(f"{trained.checkpoint}: no attention layer has a positional prior (GGD-BAM or ALiBi)")
+        raise NothingToPlot(trained.checkpoint, None, "no attention layer has a positional prior (GGD-BAM or ALiBi)")
     seq_len = trained.config.data.seq_len
     far = max_distance or 64 * seq_len
     distance = torch.unique(torch.logspace(0, math.log10(far), 200).round()).double()
@@ -74,7 +74,7 @@ def plot_attention(trained: Trained, ids: list[int], marks: dict[str, int], out:
         if hasattr(block.mixer, "weights")
     ]
     if not hooks:
-        raise NothingToPlot(f"{trained.checkpoint}: the model has no attention layers")
+        raise NothingToPlot(trained.checkpoint, None, "the model has no attention layers")
     try:
         with torch.no_grad():
             model(torch.tensor([ids], device=model.embed.weight.device))
@@ -114,14 +114,14 @@ def read_metrics(path: Path) -> list[dict]:
             heads = row.pop("heads", {})
             rows.append({**row, **{k: math.nan if v is None else v for k, v in heads.items()}})
         except (ValueError, AttributeError, TypeError):
-            raise NothingToPlot(f"{path}:{number}: not a metrics row") from None
+            raise NothingToPlot(path, f"line {number}", "not a metrics row") from None
     return rows
 
 
 def plot_training(run_dir: Path, out: Path) -> Path:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise NothingToPlot(f"{run_dir}: no metrics.jsonl (not a run directory?)")
+        raise NothingToPlot(run_dir, None, "no metrics.jsonl (not a run directory?)")
     rows = read_metrics(path)
 
     def series(key: str) -> tuple[list, list]:
@@ -133,7 +133,7 @@ def plot_training(run_dir: Path, out: Path) -> Path:
     panels += [(name, [k for k in head_keys if k.endswith(suffix)]) for name, suffix in HEAD_PANELS]
     panels = [(name, keys) for name, keys in panels if any(series(k)[0] for k in keys)]
     if not panels:
-        raise NothingToPlot(f"{path}: holds no metrics rows")
+        raise NothingToPlot(path, None, "holds no metrics rows")
     plt = pyplot()
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels)), sharex=True, squeeze=False)
     for ax, (name, keys) in zip(axes[:, 0], panels):

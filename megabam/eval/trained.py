@@ -44,7 +44,7 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu") -> Traine
         checkpoint = run_dir = Path(path)
         if tokenizer is None:  # a model imported without one (from-hf of a bare Llama)
             raise CheckpointError(
-                f"{path}: has no tokenizer (tokenizer.model or tokenizer.json), which evaluation needs"
+                path, None, "has no tokenizer (tokenizer.model or tokenizer.json), which evaluation needs"
             )
     else:
         reader = CheckpointReader(path)

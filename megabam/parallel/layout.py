@@ -8,7 +8,7 @@ identical samples while data-parallel ranks get disjoint shares.
 
 from dataclasses import dataclass
 
-from megabam.config import ConfigError
+from megabam.errors import LaunchError
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,14 @@ def check_world(world: int, tensor: int, pipeline: int, data: int = 0) -> None:
     """Refuse a launched world size the config's layout does not describe (every rank does, at start)."""
     model_parallel = tensor * pipeline
     if data and world != data * model_parallel:
-        raise ConfigError(
+        raise LaunchError(
             "<launch>",
             "parallel.data",
             f"launched world size {world} is not parallel.data · tensor · pipeline = {data}·{tensor}·{pipeline} "
             f"= {data * model_parallel}",
         )
     if world % model_parallel:
-        raise ConfigError(
+        raise LaunchError(
             "<launch>",
             "parallel.tensor",
             f"world size {world} is not a multiple of parallel.tensor · parallel.pipeline = {model_parallel}",

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
-from megabam.config import ConfigError
+from megabam.errors import LaunchError
 
 TORCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 PORT_BASE, PORT_SPAN = 20000, 10000  # below Linux's ephemeral range (32768-60999), where clients bind
@@ -38,14 +38,14 @@ def job_port(job_id: str) -> int:
     """The rendezvous port of scheduler job `job_id`: distinct for jobs sharing a node (unless their
     ids are PORT_SPAN apart), the same on every node of one job and across its requeues."""
     if not job_id.isdigit():
-        raise ConfigError("environment", "SLURM_JOB_ID", f"must be a number, got {job_id!r}")
+        raise LaunchError("environment", "SLURM_JOB_ID", f"must be a number, got {job_id!r}")
     return PORT_BASE + int(job_id) % PORT_SPAN
 
 
 def _int(environ: Mapping[str, str], key: str) -> int:
     value = environ.get(key, "")
     if not value.isdigit():
-        raise ConfigError("environment", key, f"must be a non-negative integer, got {value!r}")
+        raise LaunchError("environment", key, f"must be a non-negative integer, got {value!r}")
     return int(value)
 
 
@@ -55,10 +55,10 @@ def tasks_on_node(tasks_per_node: str, node: int) -> int:
     for part in tasks_per_node.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if m is None:
-            raise ConfigError("environment", "SLURM_STEP_TASKS_PER_NODE", f"cannot read {tasks_per_node!r}")
+            raise LaunchError("environment", "SLURM_STEP_TASKS_PER_NODE", f"cannot read {tasks_per_node!r}")
         counts += [int(m[1])] * int(m[2] or 1)
     if node >= len(counts):
-        raise ConfigError(
+        raise LaunchError(
             "environment", "SLURM_STEP_TASKS_PER_NODE", f"{tasks_per_node!r} lists no node {node} (SLURM_NODEID)"
         )
     return counts[node]
@@ -121,7 +121,7 @@ def first_slurm_node(nodelist: str) -> str:
     """The first host of a Slurm node list ("gpu[03-05,09]"), expanded by scontrol as Slurm does."""
     scontrol = shutil.which("scontrol")
     if scontrol is None:
-        raise ConfigError(
+        raise LaunchError(
             "environment",
             "SLURM_JOB_NODELIST",
             f"scontrol is not on PATH, so the first node of {nodelist!r} (the rendezvous host) cannot be named; "
@@ -130,7 +130,7 @@ def first_slurm_node(nodelist: str) -> str:
     out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
     hosts = out.stdout.split()
     if out.returncode != 0 or not hosts:
-        raise ConfigError(
+        raise LaunchError(
             "environment", "SLURM_JOB_NODELIST", f"scontrol show hostnames {nodelist!r} failed: {out.stderr.strip()}"
         )
     return hosts[0]
@@ -140,7 +140,7 @@ def _resolves_to_loopback(host: str) -> bool:
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except socket.gaierror as e:
-        raise ConfigError("environment", "MASTER_ADDR", f"{host!r} does not resolve: {e}") from None
+        raise LaunchError("environment", "MASTER_ADDR", f"{host!r} does not resolve: {e}") from None
     return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
@@ -159,7 +159,7 @@ def check_reachable(addr: str, rank: int, world: int, local_world: int) -> None:
         return
     remote = rank >= local_world  # ranks are numbered node by node: rank 0's node holds 0..local-1
     if _literal_loopback(addr) or (remote and _resolves_to_loopback(addr)):
-        raise ConfigError(
+        raise LaunchError(
             "environment",
             "MASTER_ADDR",
             f"{addr!r} is loopback on this node (rank {rank}) but the job's {world} ranks span nodes "
@@ -213,9 +213,9 @@ def _rendezvous(launcher: str, environ: Mapping[str, str], ranks: dict[str, int]
         addr, port = world.bcast(mine, root=0)
     if addr is None or port is None:
         missing = "MASTER_ADDR" if addr is None else "MASTER_PORT"
-        raise ConfigError("environment", missing, f"not set, and the {launcher} launcher's variables do not give it")
+        raise LaunchError("environment", missing, f"not set, and the {launcher} launcher's variables do not give it")
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError("environment", "MASTER_PORT", f"must be a TCP port, got {port!r}")
+        raise LaunchError("environment", "MASTER_PORT", f"must be a TCP port, got {port!r}")
     return addr, int(port)
 
 
@@ -229,7 +229,7 @@ def launch_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str
     if ranks["LOCAL_WORLD_SIZE"] is None:
         ranks["LOCAL_WORLD_SIZE"] = ranks["WORLD_SIZE"]
     if not ranks["RANK"] < ranks["WORLD_SIZE"] or not ranks["LOCAL_RANK"] < ranks["LOCAL_WORLD_SIZE"]:
-        raise ConfigError(
+        raise LaunchError(
             "environment", "RANK", f"rank {ranks['RANK']} (local {ranks['LOCAL_RANK']}) lies outside its world {ranks}"
         )
     addr, port = _rendezvous(launcher, environ, ranks)
@@ -241,7 +241,7 @@ def _slurm_rendezvous() -> str:
     """ "ADDR PORT" of the current Slurm job's rendezvous: its first node and the job id's port."""
     env = os.environ
     if "SLURM_JOB_ID" not in env:
-        raise ConfigError("environment", "SLURM_JOB_ID", "not set: not inside a Slurm job")
+        raise LaunchError("environment", "SLURM_JOB_ID", "not set: not inside a Slurm job")
     nodes = _int(env, "SLURM_JOB_NUM_NODES") if "SLURM_JOB_NUM_NODES" in env else _int(env, "SLURM_NNODES")
     head = env.get("MASTER_ADDR") or first_slurm_node(env.get("SLURM_JOB_NODELIST", ""))
     check_reachable(head, rank=0, world=nodes, local_world=1)  # the batch shell runs on the first node
@@ -254,6 +254,6 @@ if __name__ == "__main__":
     parser.parse_args()
     try:
         print(_slurm_rendezvous())
-    except ConfigError as e:
+    except LaunchError as e:
         print(f"megabam: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -23,7 +23,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from megabam.config import ConfigError
+from megabam.errors import LaunchError
 
 log = logging.getLogger(__name__)
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
@@ -47,11 +47,11 @@ def thread_count(environ=os.environ, cores: int | None = None) -> tuple[int, str
     if environ.get("OMP_NUM_THREADS"):
         value = environ["OMP_NUM_THREADS"]
         if not value.isdigit() or int(value) < 1:
-            raise ConfigError("environment", "OMP_NUM_THREADS", f"must be a positive integer, got {value!r}")
+            raise LaunchError("environment", "OMP_NUM_THREADS", f"must be a positive integer, got {value!r}")
         return int(value), "OMP_NUM_THREADS"
     local = environ.get("LOCAL_WORLD_SIZE", "1")
     if not local.isdigit() or int(local) < 1:
-        raise ConfigError("environment", "LOCAL_WORLD_SIZE", f"must be a positive integer, got {local!r}")
+        raise LaunchError("environment", "LOCAL_WORLD_SIZE", f"must be a positive integer, got {local!r}")
     cores = available_cores() if cores is None else cores
     return max(1, cores // int(local)), f"{cores} cores ÷ {local} local ranks"
 
@@ -92,6 +92,6 @@ if __name__ == "__main__":
     local = parser.parse_args().local_ranks
     try:
         print(thread_count({**os.environ, "LOCAL_WORLD_SIZE": str(local)})[0])
-    except ConfigError as e:
+    except LaunchError as e:
         print(f"megabam: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

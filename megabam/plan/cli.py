@@ -7,7 +7,8 @@ import dataclasses
 import json
 
 from megabam import exit_codes
-from megabam.config import ConfigError, load_config
+from megabam.config import load_config
+from megabam.errors import BadArgument
 from megabam.plan.hardware import GPUS
 
 
@@ -33,7 +34,7 @@ MAX_NODES = 100_000  # beyond any cluster built; keeps the layout search to seco
 def run_plan(args) -> int:
     for flag, value, most in (("--nodes", args.nodes, MAX_NODES), ("--gpus-per-node", args.gpus_per_node, 64)):
         if not 1 <= value <= most:  # the search grows with the world's divisors: 10⁹ nodes ran for minutes
-            raise ConfigError("<plan>", flag, f"must lie in 1..{most:,}, got {value:,}")
+            raise BadArgument(None, flag, f"must lie in 1..{most:,}, got {value:,}")
     cfg = load_config(args.config, args.overrides)
     from megabam.plan.planner import plan
 

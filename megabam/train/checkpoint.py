@@ -79,31 +79,33 @@ class CheckpointMeta:
         try:
             raw = json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"{path}: not readable as JSON ({e})") from None
+            raise CheckpointError(path, None, f"not readable as JSON ({e})") from None
         if not isinstance(raw, dict):
-            raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+            raise CheckpointError(path, None, f"expected a JSON object, got {type(raw).__name__}")
         version = raw.pop("version", 0)
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise CheckpointError(f"{path}: version must be a non-negative integer, got {version!r}")
+            raise CheckpointError(path, None, f"version must be a non-negative integer, got {version!r}")
         if version > META_VERSION:
             raise NewerMeta(
-                f"{path}: written by a newer megabam (metadata version {version}; this one reads "
-                f"up to {META_VERSION}); upgrade megabam to resume or convert it"
+                path,
+                None,
+                f"written by a newer megabam (metadata version {version}; this one reads "
+                f"up to {META_VERSION}); upgrade megabam to resume or convert it",
             )
         hints = typing.get_type_hints(cls)
         fields = [f.name for f in dataclasses.fields(cls) if f.name != "version"]
         unknown = sorted(set(raw) - set(fields))
         if unknown:
-            raise CheckpointError(f"{path}: unknown field(s) {', '.join(unknown)}")
+            raise CheckpointError(path, None, f"unknown field(s) {', '.join(unknown)}")
         missing = [name for name in fields if name not in raw]
         if missing:
-            raise CheckpointError(f"{path}: missing field(s) {', '.join(missing)}")
+            raise CheckpointError(path, None, f"missing field(s) {', '.join(missing)}")
         for name in fields:
             allowed = typing.get_args(hints[name]) or (hints[name],)
             value = raw[name]
             if isinstance(value, bool) or not isinstance(value, allowed):
                 names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-                raise CheckpointError(f"{path}: field {name} must be {names}, got {value!r:.60}")
+                raise CheckpointError(path, None, f"field {name} must be {names}, got {value!r:.60}")
         return cls(**raw)
 
 
@@ -133,7 +135,7 @@ def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int, shard: dict) ->
     root, tag = checkpoint_root(run_dir), tag_for(meta.step)
     tmp = root / f".tmp-{tag}"
     if (root / tag).exists():
-        raise CheckpointError(f"{root / tag}: already exists; megabam never writes over a checkpoint")
+        raise CheckpointError(root / tag, None, "already exists; megabam never writes over a checkpoint")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
     dist.barrier()
@@ -191,7 +193,7 @@ def _all_written(failure: Exception | None, root: Path, tag: str, device) -> Non
         reason = getattr(failure, "strerror", None) or str(failure).splitlines()[0]
     if dist.get_rank() == 0:
         shutil.rmtree(root / f".tmp-{tag}", ignore_errors=True)
-    raise CheckpointError(f"saving {root / tag} failed ({reason}); {kept}")
+    raise CheckpointError(root / tag, None, f"saving failed ({reason}); {kept}")
 
 
 class UnusableCheckpoint(RuntimeError):

@@ -33,7 +33,7 @@ class RunLock:
                 f = self.path.open("a+")
             except OSError as e:
                 raise RunDirError(
-                    f"{self.path.parent}: cannot write the run's lock there ({e.strerror or e})"
+                    self.path.parent, None, f"cannot write the run's lock there ({e.strerror or e})"
                 ) from None
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -60,7 +60,9 @@ class RunLock:
     def acquire(self) -> "RunLock":
         holder = self.try_acquire()
         if holder is not None:
-            raise RunDirError(f"{self.run_dir}: in use by another run ({holder}); wait for it to end or set run.name")
+            raise RunDirError(
+                self.run_dir, None, f"in use by another run ({holder}); wait for it to end or set run.name"
+            )
         return self
 
     def release(self) -> None:

@@ -204,11 +204,13 @@ def choose_run_directory(cfg: Config, fresh: bool, resume: bool, lock: bool) -> 
         if checkpoint.list_tags(base):
             return base, True, held
         if resume:
-            raise RunDirError(f"{base}: no checkpoint to resume from")
+            raise RunDirError(base, None, "no checkpoint to resume from")
         if not empty(base):
             if not _only_start_files(base):
                 raise RunDirError(
-                    f"{base}: holds files but no checkpoint; pass --fresh to start a new run beside it, or set run.name"
+                    base,
+                    None,
+                    "holds files but no checkpoint; pass --fresh to start a new run beside it, or set run.name",
                 )
             log.info(f"{base}: no checkpoint yet, only what an earlier start wrote; starting again from step 0")
         return base, False, held
@@ -326,8 +328,10 @@ class Trainer:
                 continue
             if saved.step > self.cfg.train.steps:
                 raise RunDirError(
-                    f"{root / tag}: the checkpoint is at step {saved.step}, beyond train.steps={self.cfg.train.steps}; "
-                    "nothing to do (raise train.steps to train on)"
+                    root / tag,
+                    None,
+                    f"the checkpoint is at step {saved.step}, beyond train.steps={self.cfg.train.steps}; "
+                    "nothing to do (raise train.steps to train on)",
                 )
             for line in _allowed_changes(saved.config, self.cfg, root / tag):
                 log.info(f"resume: accepted config change {line}")
@@ -346,7 +350,7 @@ class Trainer:
                     log.info(f"resume: {e}")
             log.info(f"resumed from {root / tag} at step {meta.step} (loaded in {time.perf_counter() - t0:.2f} s)")
             return meta
-        raise RunDirError(f"{root}: no usable checkpoint to resume from")
+        raise RunDirError(root, None, "no usable checkpoint to resume from")
 
     def _shard(self) -> dict:
         """This rank's identity, recorded in the weights files it saves and checked on resume."""
@@ -654,4 +658,4 @@ def _endless(loader) -> Iterator[dict]:
             batches += 1
             yield batch
         if batches == 0:
-            raise DataError("the training data yielded no batch in a whole epoch")
+            raise DataError("<data>", None, "the training data yielded no batch in a whole epoch")

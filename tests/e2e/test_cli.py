@@ -44,8 +44,11 @@ def test_help_config_needs_no_config_file():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["train"], "train needs a CONFIG file"),
-        (["train", "yaml_configs/tiny_cpu.yaml", "--fresh", "--resume"], "--fresh (start a new run) and --resume"),
+        (["train"], "CONFIG: train needs a config file"),
+        (
+            ["train", "yaml_configs/tiny_cpu.yaml", "--fresh", "--resume"],
+            "--fresh: starts a new run, --resume continues one",
+        ),
     ],
     ids=["no-config", "fresh-and-resume"],
 )

@@ -245,8 +245,8 @@ def test_a_full_disk_during_a_save_says_the_previous_checkpoint_is_intact(tmp_pa
         assert proc.wait(timeout=300) == 2
         saved = checkpoints / max(before)
         last = (tmp_path / "full.log").read_text().strip().splitlines()[-1]
-        assert last.startswith(f"megabam: error: saving {checkpoints}/step_")
-        assert last.endswith(f"failed (No space left on device); the previous checkpoint {saved} is intact")
+        assert last.startswith(f"megabam: error: {checkpoints}/step_")
+        assert last.endswith(f": saving failed (No space left on device); the previous checkpoint {saved} is intact")
         assert {p.name: digests(p) for p in checkpoints.glob("step_*")} == before
         assert not list(checkpoints.glob(".tmp-*"))
         (disk / "filler").unlink()

@@ -216,8 +216,8 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, shar
     garbled, _ = write_run(tmp_path / "garbled", tokenizer_from=tokenizer_run)
     (garbled / "tokenizer.model").write_bytes(b"not a sentencepiece model" * 10)
     cases = [
-        (["convert", "consolidate", str(garbled), str(tmp_path / "o6")], "is not a sentencepiece model"),
-        (["convert", "to-hf", str(garbled), str(tmp_path / "o7")], "is not a sentencepiece model"),
+        (["convert", "consolidate", str(garbled), str(tmp_path / "o6")], ": not a sentencepiece model"),
+        (["convert", "to-hf", str(garbled), str(tmp_path / "o7")], ": not a sentencepiece model"),
         (["convert", "inspect", str(tmp_path / "nothing")], "no such run or checkpoint directory"),
         (
             ["convert", "consolidate", str(wrong), str(tmp_path / "o1")],

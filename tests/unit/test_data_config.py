@@ -53,7 +53,7 @@ def test_trainer_refuses_a_tokenizer_of_another_vocab_size(tmp_path):
         f"data.streams=[{{path: {tmp_path / 'ds'}}}]",
         "data.seq_len=31",
     ]
-    with pytest.raises(ConfigError, match="has 400 pieces but model.vocab_size is 4096"):
+    with pytest.raises(ConfigError, match="model.vocab_size: 4096, but the tokenizer has 400 pieces"):
         build_training_data(load_config(None, overrides), rank=0)
     data = build_training_data(load_config(None, overrides + ["model.vocab_size=400"]), rank=0)
     assert data.tokenizer_path == tok and [s.split for s in data.train + data.val] == ["train", "val"]

@@ -288,9 +288,9 @@ def test_a_llama_3_style_tokenizer_json_alone_gives_exact_length_passkey_and_nee
 @pytest.mark.parametrize(
     "name, make, fragments",
     [
-        ("tok", lambda p: p.mkdir(), ["a folder without tokenizer.model or tokenizer.json"]),
-        ("tokenizer.json", lambda p: p.write_text("{not json"), ["is not a Hugging Face tokenizer.json"]),
-        ("tok.model", lambda p: p.write_bytes(os.urandom(300)), ["is not a sentencepiece model"]),
+        ("tok", lambda p: p.mkdir(), ["tok: a tokenizer folder without tokenizer.model or tokenizer.json"]),
+        ("tokenizer.json", lambda p: p.write_text("{not json"), ["tokenizer.json: not a Hugging Face tokenizer.json"]),
+        ("tok.model", lambda p: p.write_bytes(os.urandom(300)), ["tok.model: not a sentencepiece model"]),
         (None, None, ["meta-llama/Llama-3.1-8B", "not a local path (a hub id?)", "nothing is downloaded"]),
     ],
     ids=["empty-folder", "bad-json", "bad-model", "hub-id"],
@@ -495,7 +495,7 @@ def test_missing_and_empty_inputs(tmp_path, tok_path, capsys):
     assert_one_line_error(code, err, "no non-empty document")
     (tmp_path / "e").mkdir()
     code, _, err = run_cli(capsys, "data", "prepare", tmp_path / "e", *common)
-    assert_one_line_error(code, err, "holds no")
+    assert_one_line_error(code, err, "a directory without .txt/.jsonl")
     code, _, err = run_cli(
         capsys, "data", "tokenizer", tmp_path / "empty.txt", "--out", tmp_path / "t.model", "--vocab-size", 300
     )
@@ -552,12 +552,12 @@ def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path, tok_path, capsys)
 
 def test_tokenizer_vocab_must_match_the_model(tmp_path, tok_path, capsys):
     code, _, err = run_cli(capsys, "data", "tokenizer", "--load", tok_path, "--vocab-size", 4096)
-    assert_one_line_error(code, err, "512 pieces", "model.vocab_size is 4096")
+    assert_one_line_error(code, err, "model.vocab_size: 4096, but the tokenizer has 512 pieces")
     ds = write_prepared(tmp_path, tok_path)
     streams = [StreamConfig(path=str(ds))]
-    with pytest.raises(DataError, match="512 pieces but model.vocab_size is 4096"):
+    with pytest.raises(DataError, match="model.vocab_size: 4096, but the tokenizer has 512 pieces"):
         prepared_mixture(streams, tok_path, vocab_size=4096, seq_len=15)
-    with pytest.raises(DataError, match="prepared for seq_len 15, data.seq_len is 16"):
+    with pytest.raises(DataError, match="data.seq_len: 16, but stream 0 was prepared for seq_len 15"):
         prepared_mixture(streams, tok_path, vocab_size=512, seq_len=16)
     data = prepared_mixture(streams, tok_path, vocab_size=512, seq_len=15)
     assert [(s.split, s.local) for s in data.train + data.val] == [("train", str(ds)), ("val", str(ds))]
@@ -566,7 +566,7 @@ def test_tokenizer_vocab_must_match_the_model(tmp_path, tok_path, capsys):
     with pytest.raises(DataError) as raised:
         prepared_mixture([StreamConfig(path=str(tmp_path / "raw.jsonl"))], tok_path, vocab_size=512, seq_len=15)
     assert str(raised.value) == (
-        f"stream 0: {tmp_path / 'raw.jsonl'} is not a prepared dataset (no train/index.json); training reads "
+        f"{tmp_path / 'raw.jsonl'}: data.streams[0]: not a prepared dataset (no train/index.json); training reads "
         f"what `megabam data prepare {tmp_path / 'raw.jsonl'} --out DIR --tokenizer {tok_path} --seq-len 15` "
         "writes (from text, JSON Lines, Parquet, Arrow or a datasets folder)"
     )
@@ -574,7 +574,7 @@ def test_tokenizer_vocab_must_match_the_model(tmp_path, tok_path, capsys):
 
 def test_mixture_weights_must_be_positive():
     for weight in (0.0, -1.0):
-        with pytest.raises(DataError, match="weight must be positive"):
+        with pytest.raises(DataError, match=r"data.streams\[1\].weight: must be positive"):
             check_streams([StreamSpec("a", weight=1.0), StreamSpec("b", weight=weight)])
     with pytest.raises(DataError, match="every stream"):
         check_streams([StreamSpec("a", weight=1.0), StreamSpec("b")])

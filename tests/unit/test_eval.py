@@ -245,14 +245,14 @@ def test_eval_reads_the_newest_checkpoint_that_verifies(tmp_path, capsys):
         (["eval", "ppl", "{run}", "--text", "{text}", "--window", "0"], "--window must be at least 2, got 0"),
         (["eval", "ppl", "{run}", "--text", "{text}", "--stride", "0"], "--stride must lie in [1, --window=64], got 0"),
         (["eval", "niah", "{run}", "--essay", "{empty}"], "holds no text to hide the needles in"),
-        (["eval", "passkey", "{run}", "--device", "banana"], "--device 'banana': not a torch device"),
+        (["eval", "passkey", "{run}", "--device", "banana"], "--device: 'banana' is not a torch device"),
         (["eval", "passkey", "{run}", "--lengths", "100000000000"], "--lengths must lie in 1..16,777,216"),
         (
             ["eval", "ppl", "{run}", "--text", "{text}", "--length", "5000", "--max-tokens", "9000"],
             "fewer than --length",
         ),
         (["plot", "training", "{tmp}"], "no metrics.jsonl"),
-        (["plot", "attention", "{run}"], "--length 64 (default data.seq_len) is too short"),
+        (["plot", "attention", "{run}"], "--length: 64 (default data.seq_len) is too short"),
         (["plot", "priors", "{run}", "--out", "{tmp}/x.jpg"], "--out must name a .png file"),
     ],
 )

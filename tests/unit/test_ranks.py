@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from megabam.config import ConfigError
+from megabam.errors import LaunchError
 from megabam.parallel.ranks import free_port, job_port, launch_environment, launcher_of, tasks_on_node
 
 TORCH = dict(
@@ -69,7 +69,7 @@ def test_srun_tasks_map_to_torch_names_with_the_job_ids_port():
 
 def test_srun_without_scontrol_is_an_error_not_a_one_node_world(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol
-    with pytest.raises(ConfigError, match="scontrol is not on PATH.*gpu\\[01-02\\]"):
+    with pytest.raises(LaunchError, match="scontrol is not on PATH.*gpu\\[01-02\\]"):
         launch_environment(slurm_task(0, 0, 0))
 
 
@@ -81,7 +81,7 @@ def test_a_batch_scripts_own_shell_is_one_process_not_rank_zero_of_the_job():
 
 def test_slurm_tasks_per_node_lists_are_read_per_node():
     assert [tasks_on_node("2(x3),1", n) for n in range(4)] == [2, 2, 2, 1]
-    with pytest.raises(ConfigError, match="SLURM_STEP_TASKS_PER_NODE"):
+    with pytest.raises(LaunchError, match="SLURM_STEP_TASKS_PER_NODE"):
         tasks_on_node("2(x3)", 3)
 
 
@@ -113,7 +113,7 @@ def test_free_ports_come_from_outside_the_ephemeral_range_and_skip_ports_in_use(
 def test_a_loopback_address_for_a_job_spanning_nodes_is_refused_on_every_rank(addr):
     for rank, local in [(0, 0), (3, 1)]:
         env = TORCH | dict(RANK=str(rank), LOCAL_RANK=str(local), MASTER_ADDR=addr)
-        with pytest.raises(ConfigError, match=f"MASTER_ADDR: '{addr}' is loopback on this node .* span nodes"):
+        with pytest.raises(LaunchError, match=f"MASTER_ADDR: '{addr}' is loopback on this node .* span nodes"):
             launch_environment(env)
 
 
@@ -124,7 +124,7 @@ def test_a_name_resolving_to_loopback_is_refused_off_the_first_node_only(monkeyp
     monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: fake if host == "head" else real(host, *a, **k))
     first_node = TORCH | dict(RANK="1", LOCAL_RANK="1", MASTER_ADDR="head")
     assert launch_environment(first_node)["MASTER_ADDR"] == "head"
-    with pytest.raises(ConfigError, match="'head' is loopback on this node \\(rank 3\\)"):
+    with pytest.raises(LaunchError, match="'head' is loopback on this node \\(rank 3\\)"):
         launch_environment(TORCH | dict(MASTER_ADDR="head"))
 
 
@@ -138,7 +138,7 @@ def test_one_node_jobs_may_rendezvous_on_loopback():
     [(dict(RANK="x"), "RANK"), (dict(RANK="4"), "RANK"), (dict(MASTER_PORT="70000"), "MASTER_PORT")],
 )
 def test_bad_launcher_variables_are_named(change, key):
-    with pytest.raises(ConfigError, match=f"environment: {key}"):
+    with pytest.raises(LaunchError, match=f"environment: {key}"):
         launch_environment(TORCH | change)
 
 

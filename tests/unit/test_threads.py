@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megabam.config import ConfigError
+from megabam.errors import LaunchError
 from megabam.parallel.threads import available_cores, thread_count
 
 
@@ -31,7 +31,7 @@ def test_thread_count(environ, cores, want):
     "key, value", [("OMP_NUM_THREADS", "two"), ("OMP_NUM_THREADS", "0"), ("LOCAL_WORLD_SIZE", "-1")]
 )
 def test_bad_values_are_one_line_errors_naming_the_variable(key, value):
-    with pytest.raises(ConfigError, match=f"environment: {key}: must be a positive integer, got '{value}'"):
+    with pytest.raises(LaunchError, match=f"environment: {key}: must be a positive integer, got '{value}'"):
         thread_count({key: value}, cores=4)
 
 
