@@ -115,7 +115,7 @@ def run_case(args) -> None:
     model, loss_fn, cfg = llama_model(args.seq) if args.case == PEER else megabam_model(args.case, args.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     if args.setup == "megabam":  # and freezes what start-up built
-        from megabam.cli import start_collecting
+        from megabam.process import start_collecting
 
         start_collecting()
     batch = max(1, TOKENS_PER_STEP // args.seq)

@@ -24,33 +24,101 @@ class ConfigError(UserError):
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read `path` (None = all defaults), apply `key.sub=value` overrides, check and return."""
+    """Read `path` (None = all defaults) with the files its `defaults:` lists, apply `key.sub=value`
+    overrides, check and return."""
     source = str(path) if path is not None else "<defaults>"
-    raw: dict = {}
-    if path is not None:
-        try:
-            text = Path(path).read_bytes().decode("utf-8")
-        except OSError as e:
-            raise ConfigError(source, "<file>", f"cannot read ({e.strerror})") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(source, "<file>", f"not a UTF-8 text file (byte {e.start} is {text_byte(e)})") from None
-        if not text.strip() or all(line.lstrip().startswith("#") or not line.strip() for line in text.splitlines()):
-            raise ConfigError(source, "<file>", "is empty (give at least one section; defaults alone: omit the file)")
-        try:
-            raw = yaml.load(text, Loader=_UniqueKeyLoader)
-        except yaml.MarkedYAMLError as e:
-            mark = e.problem_mark or e.context_mark
-            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-            raise ConfigError(source, "<file>", f"not valid YAML ({where}{e.problem or e.context})") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(source, "<file>", f"not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(source, "<file>", "the top level must be a mapping of sections")
+    origins: dict[str, str] = {}
+    raw = compose(Path(path), origins) if path is not None else {}
     for item in overrides:
         _apply_override(raw, item, source)
-    config = _build(Config, raw, "", source)
-    validate(config, source)
+        key = item.partition("=")[0]
+        for set_here in [k for k in origins if k == key or k.startswith(key + ".")]:
+            del origins[set_here]  # the command line's now
+    try:
+        config = _build(Config, raw, "", source)
+        validate(config, source)
+    except ConfigError as e:  # a key a base file set: name that file
+        where = _origin(origins, e.key)
+        if where is None or where == e.source:
+            raise
+        raise ConfigError(where, e.key, e.message) from None
     return config
+
+
+DEFAULTS_KEY = "defaults"  # a file's list of base files, read first; the file's own values win
+
+
+def compose(path: Path, origins: dict[str, str] | None = None, chain: tuple[Path, ...] = ()) -> dict:
+    """The file's mapping over the files its `defaults:` lists (paths relative to it), in order: later
+    files win over earlier ones and the file over all of them, section by section and key by key (a
+    list is one value). `origins` gets, for each dotted key a base file set, that file."""
+    source = str(path)
+    here = path.resolve()
+    if here in chain:
+        loop = " → ".join(str(p) for p in (*chain, here))
+        raise ConfigError(source, DEFAULTS_KEY, f"the files include each other ({loop})")
+    raw = _read_yaml(path)
+    bases = raw.pop(DEFAULTS_KEY, [])
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(source, DEFAULTS_KEY, f"expected a list of config files, got {bases!r}")
+    merged: dict = {}
+    for base in bases:
+        base_path = path.parent / base
+        if not base_path.is_file():
+            raise ConfigError(source, DEFAULTS_KEY, f"{base} is not a file (paths are relative to {path.parent})")
+        merged = _merged(merged, compose(base_path, origins, (*chain, here)))
+    if origins is not None:  # read in order: what a later file sets is its own
+        origins.update(dict.fromkeys(_leaf_keys(raw), source))
+    return _merged(merged, raw)
+
+
+def _read_yaml(path: Path) -> dict:
+    source = str(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(source, "<file>", f"cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(source, "<file>", f"not a UTF-8 text file (byte {e.start} is {text_byte(e)})") from None
+    if not text.strip() or all(line.lstrip().startswith("#") or not line.strip() for line in text.splitlines()):
+        raise ConfigError(source, "<file>", "is empty (give at least one section; defaults alone: omit the file)")
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(source, "<file>", f"not valid YAML ({where}{e.problem or e.context})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(source, "<file>", f"not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(source, "<file>", "the top level must be a mapping of sections")
+    return raw
+
+
+def _merged(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _leaf_keys(raw: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        keys |= _leaf_keys(value, name + ".") if isinstance(value, dict) and value else {name}
+    return keys
+
+
+def _origin(origins: dict[str, str], key: str) -> str | None:
+    """The base file that set `key` (a dotted key, maybe indexed: data.streams[0].path) or a key above it."""
+    parts = key.split("[")[0].split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in origins:
+            return origins[".".join(parts[:n])]
+    return None
 
 
 def config_from_dict(raw: dict, source: str) -> Config:
@@ -81,6 +149,23 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def config_to_dict(config: Config) -> dict:
     return dataclasses.asdict(config)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A config dictionary's leaves by dotted key (a list is one leaf)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def config_differences(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
+    """(dotted key, value in a, value in b) of every leaf where two config dictionaries differ, by key."""
+    x, y = flatten(a), flatten(b)
+    return [(key, x.get(key), y.get(key)) for key in sorted(x.keys() | y.keys()) if x.get(key) != y.get(key)]
 
 
 def save_config(config: Config, path: Path) -> None:

@@ -104,7 +104,7 @@ def build_training_data(cfg: Config, rank: int) -> TrainingData:
             )
         except DataError as e:
             raise ConfigError("<config>", "data", str(e)) from None
-    cache_root = Path(cfg.data.cache_dir or os.environ.get("MEGABAM_CACHE") or "~/.cache/megabam").expanduser()
+    cache_root = data_cache(cfg.data.cache_dir)
 
     def build():
         try:
@@ -143,3 +143,8 @@ def build_training_data(cfg: Config, rank: int) -> TrainingData:
     dist.barrier()
     data = data if data is not None else build()
     return single_dataset(data.train_dir, data.val_dir, data.tokenizer_path)
+
+
+def data_cache(cache_dir: str | None) -> Path:
+    """Where the default dataset is built: data.cache_dir, else $MEGABAM_CACHE, else ~/.cache/megabam."""
+    return Path(cache_dir or os.environ.get("MEGABAM_CACHE") or "~/.cache/megabam").expanduser()

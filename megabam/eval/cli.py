@@ -21,7 +21,7 @@ def add_eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="long-context evaluation of a run or checkpoint (passkey, niah, ppl)")
     tasks = ev.add_subparsers(dest="task", required=True)
 
-    def common(p: argparse.ArgumentParser) -> None:
+    def common(p: argparse.ArgumentParser, seeded: str | None = "keys and needles") -> None:
         p.add_argument(
             "source",
             nargs="?",
@@ -33,7 +33,8 @@ def add_eval_parser(sub) -> None:
         p.add_argument(
             "--chunk", type=int, default=1024, help="tokens per prefill chunk: memory ∝ chunk × context (default 1024)"
         )
-        p.add_argument("--seed", type=int, default=0, help="seed of the keys and needles (default 0)")
+        if seeded:
+            p.add_argument("--seed", type=int, default=0, help=f"seed of the {seeded} (default 0)")
 
     pk = tasks.add_parser("passkey", help="passkey retrieval (the BAM paper's protocol) over lengths × depths")
     common(pk)
@@ -52,7 +53,7 @@ def add_eval_parser(sub) -> None:
     nh.add_argument("--essay", help="haystack text of the essay variants (default: the Python documentation's prose)")
 
     pp = tasks.add_parser("ppl", help="perplexity of a text file or MDS dataset, plain and sliding-window")
-    common(pp)
+    common(pp, seeded=None)  # nothing drawn: the input is scored as it is
     src = pp.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="a UTF-8 text file, tokenized whole")
     src.add_argument("--dataset", help="an MDS dataset directory (megabam data prepare); samples joined in order")
@@ -75,7 +76,8 @@ def add_repro_parser(sub) -> None:
     rp.add_argument("study", choices=sorted(STUDIES))
     rp.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for every arm")
     rp.add_argument("--out", help="directory of the runs and results (default runs/repro-STUDY)")
-    rp.add_argument("--arms", nargs="+", help="arms to run (default: all of the study)")
+    arms = "; ".join(f"{name}: {', '.join(study.arms)}" for name, study in sorted(STUDIES.items()))
+    rp.add_argument("--arms", nargs="+", metavar="ARM", help=f"arms to run (default: all of the study's; {arms})")
     rp.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds per arm (default 0 1 2)")
     rp.add_argument(
         "--steps",

@@ -4,6 +4,8 @@ Changes that alter what the checkpoint holds or how samples are drawn are refuse
 tokenizer/data, parallel layout, batch geometry, precision, seed); the rest (total steps, logging,
 checkpoint cadence, evaluation, optimizer and schedule values) are accepted and reported."""
 
+from megabam.config.loader import config_differences
+
 # Dotted-key prefixes whose change makes the checkpoint unusable for this run.
 INCOMPATIBLE = (
     "model.",
@@ -19,23 +21,12 @@ INCOMPATIBLE = (
 IGNORED = ("run.output_dir", "run.name", "data.cache_dir", "parallel.data")
 
 
-def flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
 def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(refused, accepted) lists of 'key: old → new' between a checkpoint's config and the current one."""
-    old, new = flatten(saved), flatten(current)
     refused, accepted = [], []
-    for key in sorted(old.keys() | new.keys()):
-        if old.get(key) == new.get(key) or key.startswith(IGNORED):
+    for key, before, after in config_differences(saved, current):
+        if key.startswith(IGNORED):
             continue
-        line = f"{key}: {old.get(key)!r} → {new.get(key)!r}"
+        line = f"{key}: {before!r} → {after!r}"
         (refused if key.startswith(INCOMPATIBLE) else accepted).append(line)
     return refused, accepted

@@ -56,6 +56,6 @@ def test_the_cli_reports_a_user_error_from_any_command_as_one_line(monkeypatch, 
     def failing(args):
         raise error
 
-    monkeypatch.setattr(megabam.cli, "run_plan", failing)
+    monkeypatch.setitem(megabam.cli.COMMANDS, "plan", failing)
     assert main(["plan", "any.yaml", "--gpu", "h100-80gb"]) == 2
     assert capsys.readouterr().err == f"megabam: error: {error}\n"
