@@ -581,6 +581,15 @@ class LoggingConfig:
         "offline", "wandb mode; offline needs no account; online only when you configure it."
     )
     wandb_project: str = doc("megabam", "wandb project name.")
+    wandb_entity: str | None = doc(None, "wandb entity (user or team) the run belongs to; null = your default.")
+    wandb_group: str | None = doc(None, "wandb group, to gather related runs (a sweep, the ranks of a comparison).")
+    wandb_tags: list[str] = doc([], "wandb tags, 1 to 64 characters each.")
+    wandb_name: str | None = doc(None, "wandb run name; null = run.name.")
+    tensorboard: bool = doc(
+        False,
+        "Write TensorBoard events under RUN/tensorboard/ (rank 0): the metrics.jsonl scalars, each head's "
+        "values charted per layer (Custom Scalars), the figures as images.",
+    )
     peak_tflops: float | None = doc(
         None, "Peak TFLOP/s of one device for the MFU estimate; null = known GPUs only, no MFU elsewhere."
     )
@@ -602,6 +611,8 @@ class LoggingConfig:
             f"{key}.peak_tflops",
             f"must be positive, got {self.peak_tflops}",
         )
+        for i, tag in enumerate(self.wandb_tags):  # wandb.init's rule, checked before any work rather than at its start
+            require(1 <= len(tag) <= 64, f"{key}.wandb_tags[{i}]", f"must be 1 to 64 characters, got {tag!r}")
 
 
 @dataclass

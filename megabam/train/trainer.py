@@ -173,7 +173,16 @@ class StepResult:
 FINAL_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]  # needle depths of the end-of-training passkey grid
 # What megabam writes into a run directory before its first checkpoint: a directory holding only
 # these (and no checkpoint) is a start that failed early, and is restarted from step 0.
-START_FILES = {"config.yaml", "metrics.jsonl", "loss.png", "wandb", "checkpoints", *TOKENIZER_FILES, HF_CONFIG}
+START_FILES = {
+    "config.yaml",
+    "metrics.jsonl",
+    "loss.png",
+    "wandb",
+    "tensorboard",
+    "checkpoints",
+    *TOKENIZER_FILES,
+    HF_CONFIG,
+}
 
 
 def _only_start_files(path: Path) -> bool:
@@ -571,6 +580,9 @@ class Trainer:
         loss_plot = self.run_dir / "loss.png" if cfg.logging.plots else None
         if self.rank == 0 and loss_plot:
             plot_loss(self.run_dir / "metrics.jsonl", loss_plot)
+            self.logger.image("loss", loss_plot, cfg.train.steps)
+        if passkey_plot:
+            self.logger.image("passkey", passkey_plot, cfg.train.steps)
         steps_run = cfg.train.steps - start_step
         summary = Summary(
             run_dir=str(self.run_dir),

@@ -12,6 +12,7 @@ import pytest
 import torch
 import xxhash
 from helpers.runs import is_rank, losses, megabam_train, start_train, wait_for_step
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 STEPS = 14
 RUN = [
@@ -46,18 +47,22 @@ def test_kill9_then_auto_resume_repeats_the_losses(tmp_path, data_cache, setting
 def test_sigterm_checkpoints_and_exits_75_then_resumes_exactly(tmp_path, data_cache):
     megabam_train(tmp_path, data_cache, "run.name=reference", *RUN)
     run_dir = tmp_path / "signalled"
-    offline = "logging.wandb_mode=offline"  # and the wandb run continues under its id
-    proc = start_train(tmp_path, data_cache, "run.name=signalled", *RUN, offline, log=tmp_path / "signalled.log")
+    # the wandb run continues under its id; TensorBoard shows each step once
+    trackers = ["logging.wandb_mode=offline", "logging.tensorboard=true"]
+    proc = start_train(tmp_path, data_cache, "run.name=signalled", *RUN, *trackers, log=tmp_path / "signalled.log")
     wait_for_step(run_dir, 5, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 75
     stopped_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert 5 <= stopped_at < STEPS
     assert "preempted after step" in (tmp_path / "signalled.log").read_text()
-    megabam_train(tmp_path, data_cache, "run.name=signalled", *RUN, offline)
+    megabam_train(tmp_path, data_cache, "run.name=signalled", *RUN, *trackers)
     assert losses(run_dir) == losses(tmp_path / "reference")
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 2 and len({p.name.rsplit("-", 1)[1] for p in wandb_runs}) == 1, wandb_runs
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0}).Reload().Scalars("loss")
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    assert len(events) == STEPS and {e.step: e.value for e in events} == pytest.approx(losses(run_dir))
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.pipeline=2"]], ids=["data_parallel", "pipeline"])

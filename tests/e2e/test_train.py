@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers.runs import ENV, REPO, SMALL, logged, losses, megabam_train
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megabam.config import load_config
 from megabam.train.window_sampler import WindowSampler
@@ -54,6 +55,24 @@ def test_main_job_end_to_end(tmp_path, data_cache):
         plot = [sys.executable, "-m", "megabam.cli", "plot", kind, str(run_dir)]
         out = subprocess.run(plot, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
         assert out.returncode == 0 and Path(out.stdout.strip()).stat().st_size > 1000, out.stderr[-3000:]
+
+
+def test_tensorboard_events(tmp_path, data_cache):
+    """logging.tensorboard: the metrics.jsonl scalars at the same steps and values, every head's values,
+    and the two figures, read back with TensorBoard's own reader."""
+    megabam_train(
+        tmp_path, data_cache, "run.name=tb", "train.steps=3", "logging.tensorboard=true", "logging.plots=true"
+    )
+    run_dir = tmp_path / "tb"
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0}).Reload()
+    for key in ("loss", "lr", "val_loss", "passkey_128"):
+        rows = logged(run_dir, key)
+        assert 3 in rows and {e.step: e.value for e in acc.Scalars(key)} == pytest.approx(rows), key
+    heads = logged(run_dir, "heads")[3]
+    assert "ssmax/layer1/head3/s" in heads and set(heads) <= set(acc.Tags()["scalars"])
+    for tag in ("loss", "passkey"):
+        [picture] = acc.Images(tag)
+        assert picture.step == 3 and picture.width > 100, tag
 
 
 def test_existing_run_is_never_overwritten(tmp_path, data_cache):
