@@ -124,18 +124,21 @@ def _modeling_source(bundled: dict[str, str]) -> str:
     return source.replace(GENERATED_MARK, imports)
 
 
-def write_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
+def write_tokenizer(tokenizer: Tokenizer, folder: Path, trained_length: int) -> None:
     """The run's tokenizer as transformers loads it: a Hugging Face one as it is (with its config), a
-    sentencepiece model with a prebuilt fast tokenizer (tokenizer.json) and its config files."""
+    sentencepiece model with a prebuilt fast tokenizer (tokenizer.json) and its config files. Its
+    model_max_length is the length the model was trained at (transformers' default is a 1e30
+    placeholder); longer inputs still work, as the length-extrapolation evaluations show, and
+    tokenizers say so with a warning when encoding them."""
     from transformers import LlamaTokenizerFast
 
     if not isinstance(tokenizer, SentencePieceTokenizer):
         copy_tokenizer(tokenizer, folder)
         # AutoTokenizer reads the class here; without it, it would look up the model type (megabam's)
         config = json.loads((folder / HF_CONFIG).read_text())
-        if "tokenizer_class" not in config:
-            config["tokenizer_class"] = "PreTrainedTokenizerFast"
-            (folder / HF_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        config["model_max_length"] = trained_length
+        (folder / HF_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
         return
     pieces = {i: tokenizer.piece(i) for i in (PAD_ID, UNK_ID, BOS_ID, EOS_ID)}
     fast = LlamaTokenizerFast(
@@ -149,6 +152,7 @@ def write_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
         unk_token=pieces[UNK_ID],
         bos_token=pieces[BOS_ID],
         eos_token=pieces[EOS_ID],
+        model_max_length=trained_length,
     )
     fast.save_pretrained(folder)
     shutil.copyfile(tokenizer.path, folder / "tokenizer.model")
@@ -189,7 +193,7 @@ def to_hf(
             torch_dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
         )
         config.save_pretrained(tmp)
-        write_tokenizer(tokenizer, tmp)
+        write_tokenizer(tokenizer, tmp, reader.config.data.seq_len)
         # What `from-hf` needs to turn the folder back into a megabam one (transformers ignores them).
         save_config(reader.config, tmp / CONFIG_FILE)
         (tmp / META_FILE).write_text(reader.meta.to_json())

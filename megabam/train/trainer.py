@@ -185,6 +185,19 @@ START_FILES = {
 }
 
 
+def _fresh_optimizer_note(warmup_steps: int) -> str:
+    """What a run started from other weights (train.init_from) does with its learning rate: Adam's
+    moments start at zero, and its first steps at the full rate can undo what the weights learned (a
+    trained model's passkey retrieval was gone after 10 such steps)."""
+    note = "the optimizer, schedule and data start fresh"
+    if warmup_steps:
+        return f"{note}; the learning rate warms up over schedule.warmup_steps={warmup_steps} steps"
+    return (
+        f"{note}; WARNING: schedule.warmup_steps=0 starts the fresh optimizer at the full learning rate, which "
+        "can undo what these weights learned within a few steps: warm up (e.g. 5-10 % of train.steps)"
+    )
+
+
 def _only_start_files(path: Path) -> bool:
     return all(p.name in START_FILES for p in path.iterdir())
 
@@ -259,7 +272,7 @@ class Trainer:
             _check_init_tokenizer(Path(cfg.train.init_from), self.tokenizer.path)
         self.engine = build_engine(cfg, self.topology)
         if cfg.train.init_from and not resuming:
-            log.info(f"weights from {cfg.train.init_from}; the optimizer, schedule and data start fresh")
+            log.info(f"weights from {cfg.train.init_from}; {_fresh_optimizer_note(cfg.schedule.warmup_steps)}")
         use_weights_only_loading(self.engine.deepspeed)
         # Tensor- and pipeline-parallel peers (consecutive ranks) read identical samples.
         loader = dict(

@@ -94,7 +94,10 @@ def test_a_new_run_starts_from_a_consolidated_folder(tmp_path, data_cache):
         "optim.lr=1e-12",
         f"train.init_from={tmp_path / 'folder'}",
     )
-    assert "the optimizer, schedule and data start fresh" in result.stdout + result.stderr
+    assert (
+        "the optimizer, schedule and data start fresh; WARNING: schedule.warmup_steps=0"
+        in result.stdout + result.stderr
+    )
     source, continued = logged(tmp_path / "source", "val_loss"), logged(tmp_path / "continued", "val_loss")
     assert continued[1] == pytest.approx(source[3], rel=1e-6)
     fresh = megabam_train(tmp_path, data_cache, "run.name=fresh", "train.steps=1", "schedule.warmup_steps=0")

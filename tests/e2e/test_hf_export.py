@@ -103,6 +103,8 @@ def test_transformers_computes_what_megabam_computes(loaded, name):
     assert got["generated"] == generate_greedy(trained.model, ids[0, :PROMPT].tolist(), NEW)
     assert got["streamed"] == [PROMPT] + [1] * (NEW - 1)  # the prompt once, then one token per step
     assert got["encoded"] == trained.tokenizer.encode(TEXT) and got["decoded"] == TEXT
+    assert got["tokenizer_noise"] == ""  # README's load line: no remote-code question, no warning
+    assert got["model_max_length"] == trained.config.data.seq_len  # not transformers' 1e30 placeholder
     if name == "swax":  # the SWA ring and the mLSTM state: the same size at 1k and 8k tokens of context
         assert got["cache_bytes"][1024] == got["cache_bytes"][8192] > 0
     if name == "ggd_ssmax":  # a full-attention KV cache grows with the context

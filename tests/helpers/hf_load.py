@@ -4,11 +4,15 @@ transformers; megabam's own import is blocked), and record what they compute for
     python hf_load.py RESULT.pt FOLDER [FOLDER ...]
 
 Per folder: the logits of fixed token ids, greedy `generate()` from a fixed prompt and how many tokens
-each of its steps fed the model, the tokenizer's ids and decoding of a fixed text, and the bytes held
-by the generation cache after prompts of 1,024 and 8,192 tokens.
+each of its steps fed the model, the tokenizer's ids and decoding of a fixed text, what loading the
+tokenizer printed and its model_max_length, and the bytes held by the generation cache after prompts
+of 1,024 and 8,192 tokens.
 """
 
+import contextlib
+import io
 import sys
+import warnings
 
 import torch
 
@@ -45,8 +49,12 @@ def main() -> None:
 
     results = {"transformers": transformers.__version__}
     for folder in sys.argv[2:]:
+        noise = io.StringIO()  # the README's load line, first in the process: it should print nothing
+        with contextlib.redirect_stderr(noise), contextlib.redirect_stdout(noise), warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = lambda message, *rest: noise.write(f"{message}\n")
+            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-        tokenizer = AutoTokenizer.from_pretrained(folder)
         ids = token_ids(model.config.vocab_size)
         streamed = []
         stream = model.model.stream
@@ -66,6 +74,8 @@ def main() -> None:
             "decoded": tokenizer.decode(encoded),
             "cache_bytes": cache,
             "streamed": streamed,  # tokens per Decoder.stream call during generate()
+            "tokenizer_noise": noise.getvalue(),
+            "model_max_length": tokenizer.model_max_length,
         }
     torch.save(results, sys.argv[1])
 

@@ -238,7 +238,7 @@ def test_a_tokenizer_json_converted_from_a_sentencepiece_model_tokenizes_alike(t
     from megabam.data.tokenizer import HFTokenizer, load_tokenizer
 
     sp = open_tokenizer(tok_path)
-    write_tokenizer(sp, tmp_path / "folder")
+    write_tokenizer(sp, tmp_path / "folder", 256)
     (tmp_path / "folder" / "tokenizer.model").unlink()  # else the folder's sentencepiece model is read
     folder = load_tokenizer(tmp_path / "folder", expected_vocab_size=512)
     assert isinstance(folder, HFTokenizer) and folder.path == tmp_path / "folder" / "tokenizer.json"
