@@ -1,8 +1,9 @@
 """`megabam eval passkey|niah|ppl RUN|CKPT` and `megabam plot priors|attention|training`.
 
 Evaluation runs a trained model in one process. Each eval command prints a table and writes JSON and
-a PNG into --out (default RUN/eval), named after the checkpoint's step; plots go to RUN/plots. Files
-are written through temporary names (an interrupted command leaves no half file).
+a figure (PNG, or --format pdf|svg) into --out (default RUN/eval), named after the checkpoint's step;
+plots go to RUN/plots. Files are written through temporary names (an interrupted command leaves no
+half file).
 """
 
 import argparse
@@ -15,6 +16,7 @@ from megabam import exit_codes
 from megabam.config.schema import MAX_TOKENS
 from megabam.data.niah import VARIANTS
 from megabam.errors import BadArgument
+from megabam.eval.figures import FORMATS
 
 
 def add_eval_parser(sub) -> None:
@@ -28,7 +30,8 @@ def add_eval_parser(sub) -> None:
             help="run directory (its newest verified checkpoint), checkpoint directory or consolidated folder",
         )
         p.add_argument("--hf", metavar="DIR", help="a megabam Hugging Face export (megabam convert to-hf) instead")
-        p.add_argument("--out", help="directory for the JSON and PNG (default: RUN/eval)")
+        p.add_argument("--out", help="directory for the JSON and the figure (default: RUN/eval)")
+        add_format_argument(p)
         p.add_argument("--device", default="cpu", help="torch device (default cpu)")
         p.add_argument(
             "--chunk", type=int, default=1024, help="tokens per prefill chunk: memory ∝ chunk × context (default 1024)"
@@ -145,7 +148,19 @@ def add_plot_parser(sub) -> None:
     tr = kinds.add_parser("training", help="loss, LR, window draws and per-head θ_α, θ_β, s over training")
     tr.add_argument("source", help="run directory (reads its metrics.jsonl)")
     for p in (pr, at, tr):
-        p.add_argument("--out", help="PNG file to write (default: RUN/plots/KIND-STEP.png)")
+        p.add_argument("--out", help="figure file to write (default: RUN/plots/KIND-STEP.FORMAT)")
+        add_format_argument(p)
+
+
+def add_format_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", help=f"figure format: {', '.join(FORMATS)} (default: --out's suffix, else png)")
+
+
+def _figure_suffix(args) -> str:
+    """The figure's suffix, from --format (checked here: a bad value is one line, not argparse's usage)."""
+    if args.format is not None and args.format not in FORMATS:
+        raise BadArgument(None, "--format", f"{args.format!r} is not one of {', '.join(FORMATS)}")
+    return f".{args.format or 'png'}"
 
 
 def _guarded(work) -> int:
@@ -202,10 +217,16 @@ def _plot_training(args) -> Path:
 
 
 def _plot_path(args, run_dir: Path, name: str) -> Path:
-    if args.out:
-        _require(args.out.endswith(".png"), f"--out must name a .png file, got {args.out}")
-        return Path(args.out)
-    return run_dir / "plots" / f"{name}.png"
+    if args.out is None:
+        return run_dir / "plots" / f"{name}{_figure_suffix(args)}"
+    out = Path(args.out)
+    if args.format is None:  # the suffix names the format
+        suffixes = ", ".join(f".{f}" for f in FORMATS)
+        _require(out.suffix[1:] in FORMATS, f"--out must name a {suffixes} file, got {args.out}")
+    else:
+        suffix = _figure_suffix(args)
+        _require(out.suffix == suffix, f"--out {args.out} does not end in {suffix} (--format {args.format})")
+    return out
 
 
 def _trained(source: str):
@@ -226,6 +247,7 @@ def _load(args):
 
     _require((args.source is None) != (args.hf is None), "give a run, checkpoint or folder, or --hf DIR (one of them)")
     _require(args.chunk >= 1, f"--chunk must be at least 1, got {args.chunk}")
+    _figure_suffix(args)  # checked before the model loads
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -269,13 +291,13 @@ def _passkey(args) -> list[str]:
     data = {"checkpoint": str(trained.checkpoint), "step": trained.meta.step, "train_length": seq_len, **grid.to_json()}
     json_path = _write_json(out / f"passkey-{tag}.json", data)
     title = f"passkey retrieval, {trained.run_dir.name} @ step {trained.meta.step} (trained at {seq_len})"
-    png = heatmap(grid.accuracy(), lengths, args.depths, title, out / f"passkey-{tag}.png")
+    figure = heatmap(grid.accuracy(), lengths, args.depths, title, out / f"passkey-{tag}{_figure_suffix(args)}")
     return [
         f"passkey retrieval ({args.trials} keys per cell), {trained.checkpoint}",
         *grid.table(),
         "",
         str(json_path),
-        str(png),
+        str(figure),
     ]
 
 
@@ -308,8 +330,8 @@ def _niah(args) -> list[str]:
         )
         results.append(grid.to_json())
         title = f"NIAH {variant}, {trained.run_dir.name} @ step {trained.meta.step} (trained at {seq_len})"
-        png = heatmap(grid.scores, lengths, args.depths, title, out / f"niah-{variant}-{tag}.png")
-        lines += [*grid.table(), str(png), ""]
+        figure = heatmap(grid.scores, lengths, args.depths, title, out / f"niah-{variant}-{tag}{_figure_suffix(args)}")
+        lines += [*grid.table(), str(figure), ""]
     data = {"checkpoint": str(trained.checkpoint), "step": trained.meta.step, "train_length": seq_len, "tasks": results}
     return [*lines, str(_write_json(out / f"niah-{tag}.json", data))]
 
@@ -340,8 +362,9 @@ def _ppl(args) -> list[str]:
     }
     json_path = _write_json(out / f"ppl-{tag}.json", data)
     title = f"loss by position, {trained.run_dir.name} @ step {trained.meta.step}, sequences of {length}"
-    png = bucket_plot(report.buckets, title, out / f"ppl-{tag}.png", seq_len)
-    return [f"perplexity, {trained.checkpoint}", *report.table(), "", str(json_path), str(png)]
+    figure = out / f"ppl-{tag}{_figure_suffix(args)}"
+    bucket_plot(report.buckets, report.bucket_tokens(), title, figure, seq_len)
+    return [f"perplexity, {trained.checkpoint}", *report.table(), "", str(json_path), str(figure)]
 
 
 TASKS = {"passkey": _passkey, "niah": _niah, "ppl": _ppl}

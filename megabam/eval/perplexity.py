@@ -55,6 +55,10 @@ class PerplexityReport:
     window_targets: int
     buckets: list[tuple[int, int, float]]  # (first position, last position + 1, mean loss)
 
+    def bucket_tokens(self) -> list[int]:
+        """The tokens scored in each bucket: its positions in every sequence."""
+        return [(b - a) * self.sequences for a, b, _ in self.buckets]
+
     def table(self) -> list[str]:
         lines = [
             f"plain          {self.sequences} × {self.length} tokens: "
@@ -63,7 +67,10 @@ class PerplexityReport:
             f"loss {self.window_loss:.4f}, perplexity {math.exp(self.window_loss):.3f}",
             "loss by position:",
         ]
-        lines += [f"  {a:>8}–{b - 1:<8} {loss:.4f}" for a, b, loss in self.buckets]
+        lines += [
+            f"  {a:>8}–{b - 1:<8} {loss:.4f}  ({tokens:,} tokens)"
+            for (a, b, loss), tokens in zip(self.buckets, self.bucket_tokens())
+        ]
         return lines
 
     def to_json(self) -> dict:
@@ -77,7 +84,10 @@ class PerplexityReport:
             "window_loss": self.window_loss,
             "window_perplexity": math.exp(self.window_loss),
             "window_targets": self.window_targets,
-            "loss_by_position": [{"start": a, "end": b, "loss": loss} for a, b, loss in self.buckets],
+            "loss_by_position": [
+                {"start": a, "end": b, "loss": loss, "tokens": tokens}
+                for (a, b, loss), tokens in zip(self.buckets, self.bucket_tokens())
+            ],
         }
 
 

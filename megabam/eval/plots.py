@@ -1,23 +1,26 @@
 """`megabam plot priors|attention|training`: what a run learned, drawn.
 
 - priors: each layer's and head's log-prior b(Δ) over the distance Δ to the key looked back at (log
-  scale), from the checkpoint's θ's through the kernels' own prior formula; heads with θ_β ≤ 0
-  (flat or inverted: the retrieval heads of BAM) drawn dashed and named in the legend;
+  scale), from the checkpoint's θ's through the kernels' own prior formula, heads coloured along a
+  colormap; heads with θ_β ≤ 0 (flat or inverted: the retrieval heads of BAM) drawn dashed and named
+  in the panel's title;
 - attention: every attention layer's and head's probabilities on one input (a passkey prompt by
-  default), the needle's and the question's positions marked;
-- training: loss, learning rate, SWA window draws and each head's θ_α, θ_β and SSMax s over the
-  steps, from the run's metrics.jsonl.
+  default), axes in tokens, the needle's key and the question's query marked, a log colorbar;
+- training: loss, learning rate, SWA window draws, grad norm, throughput, MFU and memory, a panel
+  each, then each layer's heads' θ_α, β, ln α and SSMax s, from the run's metrics.jsonl; series that
+  never change are named under the figure instead of drawn.
 """
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
 
 from megabam.data.passkey import passkey_sample
 from megabam.errors import UserError
-from megabam.eval.figures import pyplot, save
+from megabam.eval.figures import fit, head_colours, new_figure, save, token_axis, wrap
 from megabam.eval.trained import Trained
 from megabam.kernels.bam_attention import BamParams, prior_terms
 
@@ -27,31 +30,36 @@ class NothingToPlot(UserError):
 
 
 def plot_priors(trained: Trained, out: Path, max_distance: int | None = None) -> Path:
+    from matplotlib.lines import Line2D
+
     layers = [(i, b.mixer) for i, b in enumerate(trained.model.blocks) if getattr(b.mixer, "prior", None) is not None]
     if not layers:
         raise NothingToPlot(trained.checkpoint, None, "no attention layer has a positional prior (GGD-BAM or ALiBi)")
     seq_len = trained.config.data.seq_len
     far = max_distance or 64 * seq_len
     distance = torch.unique(torch.logspace(0, math.log10(far), 200).round()).double()
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(layers), figsize=(4 * len(layers), 3.6), squeeze=False, sharey=True)
-    for ax, (layer, mixer) in zip(axes[0], layers):
+    fig = new_figure(1.8 + 3.6 * len(layers), 4.0)
+    axes = fig.subplots(1, len(layers), squeeze=False, sharey=True)[0]
+    cmap = head_colours(fig, max(mixer.prior()[1].shape[0] for _, mixer in layers), axes)
+    for ax, (layer, mixer) in zip(axes, layers):
         alpha, beta, mu = (None if t is None else t.detach().double() for t in mixer.prior())
         prior = prior_terms(BamParams(alpha, beta, mu, None, False, 1.0), -distance)[0]
+        flat = [h for h in range(prior.shape[0]) if float(beta[h]) <= 0]
         for h in range(prior.shape[0]):
-            flat = float(beta[h]) <= 0
-            label = f"head {h}: β={float(beta[h]):.2f}" + (" (≤ 0)" if flat else "")
-            ax.plot(distance.numpy(), prior[h].clamp(min=-60).numpy(), "--" if flat else "-", label=label)
-        ax.axvline(seq_len, color="grey", linewidth=0.8, label=f"training length {seq_len}")
+            ax.plot(distance.numpy(), prior[h].clamp(min=-60).numpy(), "--" if h in flat else "-", color=cmap(h))
+        ax.axvline(seq_len, color="grey", linewidth=0.8)
         ax.set_xscale("log")
+        token_axis(ax.xaxis, 1, far)
         ax.set_xlabel("distance to the key Δ (tokens)")
-        ax.set_title(f"layer {layer}")
+        flat_heads = f"; β ≤ 0 (dashed): head {', '.join(map(str, flat))}" if flat else ""
+        ax.set_title(wrap(f"layer {layer}{flat_heads}", 3.4, 9), fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("log-prior b(Δ) (clipped at −60)")
-    fig.suptitle(f"learned priors, {trained.run_dir.name} @ step {trained.meta.step}", fontsize=10)
-    fig.tight_layout()
-    return save(fig, out)
+    axes[0].set_ylabel("log-prior b(Δ) (clipped at −60)")
+    line = Line2D([], [], color="grey", linewidth=0.8, label=f"training length {seq_len}")
+    fig.legend(handles=[line], loc="outside lower center", fontsize=8)
+    title = f"learned priors, {trained.run_dir.name} @ step {trained.meta.step}"
+    fig.suptitle(wrap(title, fig.get_figwidth(), 10), fontsize=10)
+    return save(fit(fig), out)
 
 
 def passkey_prompt(trained: Trained, n_tokens: int) -> tuple[list[int], dict[str, int]]:
@@ -66,6 +74,12 @@ def passkey_prompt(trained: Trained, n_tokens: int) -> tuple[list[int], dict[str
 
 
 def plot_attention(trained: Trained, ids: list[int], marks: dict[str, int], out: Path) -> Path:
+    title = f"attention, {trained.run_dir.name} @ step {trained.meta.step}"
+    return save(draw_attention(attention_maps(trained, ids), marks, title), out)
+
+
+def attention_maps(trained: Trained, ids: list[int]) -> dict[int, torch.Tensor]:
+    """Each attention layer's probabilities (heads, queries, keys) on the prompt `ids`."""
     model = trained.model
     captured: dict[int, torch.Tensor] = {}
     hooks = [
@@ -81,26 +95,51 @@ def plot_attention(trained: Trained, ids: list[int], marks: dict[str, int], out:
     finally:
         for hook in hooks:
             hook.remove()
-    maps = {i: model.blocks[i].mixer.weights(x)[0].float().cpu() for i, x in captured.items()}
+    return {i: model.blocks[i].mixer.weights(x)[0].float().cpu() for i, x in captured.items()}
+
+
+HEADS_PER_ROW = 8  # 16 or 32 heads wrap into rows instead of one figure 40 panels wide
+
+
+def draw_attention(maps: dict[int, torch.Tensor], marks: dict[str, int], title: str):
+    """A panel per layer and head, queries down and keys across in tokens, probabilities on a log scale
+    (a retrieval head's few sharp entries and a local head's band both show); the needle's key column
+    and the question's query row (`marks`, as `passkey_prompt` gives them) marked."""
+    from matplotlib.colors import LogNorm
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
     n_heads = next(iter(maps.values())).shape[0]
-    plt = pyplot()
-    fig, axes = plt.subplots(len(maps), n_heads, figsize=(2.6 * n_heads, 2.6 * len(maps)), squeeze=False)
-    for row, (layer, probs) in zip(axes, maps.items()):
-        for h, ax in enumerate(row):
-            # log scale: a retrieval head's few sharp entries and a local head's band both show
-            ax.imshow(probs[h].clamp(min=1e-6).log10().numpy(), cmap="magma", vmin=-6, vmax=0, interpolation="nearest")
-            for name, pos in marks.items():
-                ax.axvline(pos, color="cyan" if name == "needle" else "lime", linewidth=0.6)
+    cols = min(n_heads, HEADS_PER_ROW)
+    rows_per_layer = -(-n_heads // cols)
+    fig = new_figure(1.6 + 2.1 * cols, 1.0 + 2.1 * rows_per_layer * len(maps))
+    axes = fig.subplots(rows_per_layer * len(maps), cols, squeeze=False)
+    norm = LogNorm(1e-6, 1.0)
+    for index, (layer, probs) in enumerate(maps.items()):
+        for h in range(rows_per_layer * cols):
+            ax = axes[index * rows_per_layer + h // cols, h % cols]
+            if h >= n_heads:  # the last row of a layer whose heads do not fill it
+                ax.set_visible(False)
+                continue
+            image = ax.imshow(probs[h].clamp(min=1e-6).numpy(), cmap="magma", norm=norm, interpolation="nearest")
+            ax.axvline(marks["needle"], color="cyan", linewidth=0.7)
+            ax.axhline(marks["question"], color="lime", linewidth=0.7)
             ax.set_title(f"layer {layer} head {h}", fontsize=8)
-            ax.set_xticks([])
-            ax.set_yticks([])
-    fig.suptitle(
-        f"attention (log10), {trained.run_dir.name} @ step {trained.meta.step}; "
-        f"cyan: needle at {marks.get('needle')}, green: question at {marks.get('question')}",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    return save(fig, out)
+            for axis in (ax.xaxis, ax.yaxis):
+                axis.set_major_locator(MaxNLocator(4, integer=True))
+            ax.tick_params(labelsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("key position (tokens)", fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("query position (tokens)", fontsize=8)
+    fig.colorbar(image, ax=axes, shrink=0.8, label="attention probability (log scale)")
+    lines = [
+        Line2D([], [], color="cyan", label=f"needle at token {marks['needle']} (key)"),
+        Line2D([], [], color="lime", label=f"question from token {marks['question']} (query)"),
+    ]
+    fig.legend(handles=lines, loc="outside lower center", ncol=2, fontsize=8)
+    fig.suptitle(wrap(title, fig.get_figwidth(), 10), fontsize=10)
+    return fit(fig)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -123,32 +162,108 @@ def plot_training(run_dir: Path, out: Path) -> Path:
     if not path.is_file():
         raise NothingToPlot(run_dir, None, "no metrics.jsonl (not a run directory?)")
     rows = read_metrics(path)
-
-    def series(key: str) -> tuple[list, list]:
-        points = [(r["step"], r[key]) for r in rows if key in r]
-        return ([s for s, _ in points], [v for _, v in points]) if points else ([], [])
-
-    head_keys = sorted({k for r in rows for k in r if "/head" in k})
-    panels = [("loss", ["loss", "val_loss"]), ("learning rate", ["lr"]), ("SWA window", ["window"])]
-    panels += [(name, [k for k in head_keys if k.endswith(suffix)]) for name, suffix in HEAD_PANELS]
-    panels = [(name, keys) for name, keys in panels if any(series(k)[0] for k in keys)]
-    if not panels:
+    if not any(key in SERIES_LABELS or HEAD_KEY.match(key) for row in rows for key in row):
         raise NothingToPlot(path, None, "holds no metrics rows")
-    plt = pyplot()
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels)), sharex=True, squeeze=False)
-    for ax, (name, keys) in zip(axes[:, 0], panels):
-        for key in keys:
-            steps, values = series(key)
-            style = "." if key in ("window", "val_loss") else "-"
-            ax.plot(steps, values, style, label=key.replace("bam/", "").replace("ssmax/", ""), linewidth=0.9)
+    return save(draw_training(rows, f"training of {run_dir.name}"), out)
+
+
+# One panel per quantity: its label and its series (metrics.jsonl keys, as the trainer logs them) with
+# the legend name of each; per-head quantities below, a row of panels (one per layer) each.
+PANELS = [
+    ("loss (nats)", {"loss": "train", "val_loss": "validation"}),
+    ("learning rate", {"lr": "lr"}),
+    ("SWA window", {"window": "window"}),
+    ("grad norm", {"grad_norm": "grad norm"}),
+    ("tokens/s", {"tokens_per_s": "tokens/s"}),
+    ("MFU", {"mfu": "MFU"}),
+    ("memory (MiB)", {"peak_memory_mib": "measured peak", "predicted_memory_mib": "planner's prediction"}),
+]
+SERIES_LABELS = {key: label for _, series in PANELS for key, label in series.items()}
+HEAD_PANELS = [("θ_α", "theta_alpha"), ("β = θ_β", "beta"), ("ln α", "ln_alpha"), ("SSMax s", "s")]
+HEAD_KEY = re.compile(r"^\w+/layer(\d+)/head(\d+)/(\w+)$")
+
+
+def series(rows: list[dict], key: str) -> tuple[list, list]:
+    """The steps and finite values of `key` over the rows."""
+    points = [(r["step"], r[key]) for r in rows if key in r and math.isfinite(r[key])]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def constant(values: list) -> bool:
+    return len(values) > 1 and min(values) == max(values)
+
+
+def draw_training(rows: list[dict], title: str):
+    """Loss, learning rate, window draws, grad norm, throughput, MFU and memory over the steps, a panel
+    each; then θ_α, β, ln α and SSMax s, a panel per layer with its heads coloured along a colormap.
+    Series that never change are not drawn but named, with their value, under the figure."""
+    dropped: list[str] = []
+    scalar_panels = []
+    for name, keys in PANELS:
+        drawn = {}
+        for key, label in keys.items():
+            steps, values = series(rows, key)
+            if constant(values):
+                dropped.append(f"{key} = {values[0]:g}")
+            elif steps:
+                drawn[label] = (steps, values)
+        if drawn:
+            scalar_panels.append((name, drawn))
+    heads: dict[str, dict[int, dict[int, str]]] = {}  # quantity → layer → head → key
+    for key in sorted({k for r in rows for k in r}):
+        if match := HEAD_KEY.match(key):
+            layer, head, quantity = int(match[1]), int(match[2]), match[3]
+            heads.setdefault(quantity, {}).setdefault(layer, {})[head] = key
+    head_panels = []
+    for name, quantity in HEAD_PANELS:
+        layers = {}
+        for layer, keys in sorted(heads.get(quantity, {}).items()):
+            drawn = {h: series(rows, key) for h, key in keys.items()}
+            still = sorted(h for h, (_, values) in drawn.items() if constant(values))
+            if still:
+                dropped.append(f"{name} layer {layer}: {head_list(still, len(keys))} {values_of(drawn, still)}")
+            layers[layer] = {h: points for h, points in drawn.items() if h not in still and points[0]}
+        if any(layers.values()):
+            head_panels.append((name, layers))
+    n_layers = max((len(layers) for _, layers in head_panels), default=1)
+    n_heads = 1 + max((h for layers in heads.values() for keys in layers.values() for h in keys), default=0)
+    n_rows = max(1, len(scalar_panels) + len(head_panels))
+    fig = new_figure(max(8.0, 2.0 + 3.2 * n_layers), 0.9 + 1.9 * n_rows)
+    grid = fig.add_gridspec(n_rows, n_layers)
+    first, row_axes = None, []
+    for row, (name, drawn) in enumerate(scalar_panels):
+        ax = fig.add_subplot(grid[row, :], sharex=first)
+        first, row_axes = first or ax, [ax]
+        for label, (steps, values) in drawn.items():
+            ax.plot(steps, values, "." if label in ("window", "validation") else ".-", label=label, markersize=3)
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
-        if len(keys) <= 16:
-            ax.legend(fontsize=6, ncol=4)
-    axes[-1, 0].set_xlabel("optimizer step")
-    fig.suptitle(f"training of {run_dir.name}", fontsize=10)
-    fig.tight_layout()
-    return save(fig, out)
+        if len(drawn) > 1:  # above the panel, never over its curves
+            ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(drawn), fontsize=7, frameon=False)
+    for row, (name, layers) in enumerate(head_panels, len(scalar_panels)):
+        row_axes = [fig.add_subplot(grid[row, col], sharex=first) for col in range(len(layers))]
+        first = first or row_axes[0]
+        cmap = head_colours(fig, n_heads, row_axes)
+        for col, (ax, (layer, drawn)) in enumerate(zip(row_axes, layers.items())):
+            for h, (steps, values) in drawn.items():
+                ax.plot(steps, values, ".-", color=cmap(h), linewidth=0.9, markersize=2)
+            if not drawn:  # another layer's heads of this quantity change
+                ax.text(0.5, 0.5, "constant", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+            ax.set_title(f"layer {layer}", fontsize=8)
+            ax.set_ylabel(name if col == 0 else "")
+            ax.grid(alpha=0.3)
+    for ax in row_axes:
+        ax.set_xlabel("optimizer step")
+    if dropped:
+        fig.supxlabel(wrap("constant, not drawn: " + "; ".join(dropped), fig.get_figwidth(), 7), fontsize=7)
+    fig.suptitle(wrap(title, fig.get_figwidth(), 10), fontsize=10)
+    return fit(fig)
 
 
-HEAD_PANELS = [("θ_α per head", "/theta_alpha"), ("θ_β per head", "/beta"), ("SSMax s per head", "/s")]
+def head_list(still: list[int], n_heads: int) -> str:
+    return f"all {n_heads} heads" if len(still) == n_heads else "head " + ", ".join(map(str, still))
+
+
+def values_of(drawn: dict[int, tuple[list, list]], still: list[int]) -> str:
+    values = {drawn[h][1][0] for h in still}
+    return f"= {values.pop():g}" if len(values) == 1 else "(each its own value)"

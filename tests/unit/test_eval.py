@@ -207,11 +207,18 @@ def test_eval_and_plot_commands_on_a_checkpoint(tmp_path, capsys):
     ppl = json.loads((run / "eval" / "ppl-step_00000010.json").read_text())
     assert ppl["sequences"] == 4 and ppl["window"] == 64 and ppl["stride"] == 32 and len(ppl["loss_by_position"]) == 8
     assert math.isclose(ppl["perplexity"], math.exp(ppl["loss"])) and png_ok(run / "eval" / "ppl-step_00000010.png")
+    assert [b["tokens"] for b in ppl["loss_by_position"]] == [
+        (b["end"] - b["start"]) * 4 for b in ppl["loss_by_position"]
+    ]
 
     for args in (["priors"], ["attention", "--length", "300"], ["training"]):
         assert main(["plot", args[0], str(run), *args[1:]]) == 0
     for name in ("priors-step_00000010", "attention-step_00000010", "training"):
         assert png_ok(run / "plots" / f"{name}.png")
+    assert main(["plot", "training", str(run), "--format", "svg"]) == 0
+    assert b"<svg" in (run / "plots" / "training.svg").read_bytes()[:400]
+    assert main(["plot", "priors", str(run), "--out", str(tmp_path / "priors.pdf")]) == 0
+    assert (tmp_path / "priors.pdf").read_bytes().startswith(b"%PDF")
     assert "passkey retrieval" in capsys.readouterr().out
 
 
@@ -253,7 +260,10 @@ def test_eval_reads_the_newest_checkpoint_that_verifies(tmp_path, capsys):
         ),
         (["plot", "training", "{tmp}"], "no metrics.jsonl"),
         (["plot", "attention", "{run}"], "--length: 64 (default data.seq_len) is too short"),
-        (["plot", "priors", "{run}", "--out", "{tmp}/x.jpg"], "--out must name a .png file"),
+        (["plot", "priors", "{run}", "--out", "{tmp}/x.jpg"], "--out must name a .png, .pdf, .svg file"),
+        (["plot", "priors", "{run}", "--out", "{tmp}/x.png", "--format", "pdf"], "does not end in .pdf (--format pdf)"),
+        (["plot", "training", "{run}", "--format", "jpg"], "--format: 'jpg' is not one of png, pdf, svg"),
+        (["eval", "passkey", "{run}", "--format", "eps"], "--format: 'eps' is not one of png, pdf, svg"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message, shared_run):
