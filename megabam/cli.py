@@ -5,7 +5,7 @@ import gc
 import os
 import sys
 
-from megabam import exit_codes, process, remote_args
+from megabam import exit_codes, process, progress, remote_args
 from megabam.config.cli import add_config_parser, run_config
 from megabam.convert.cli import add_convert_parser, run_convert
 from megabam.data.cli import add_data_parser, run_data
@@ -44,7 +44,19 @@ def build_parser() -> Parser:
     add_repro_parser(sub)
     add_convert_parser(sub)
     add_config_parser(sub)
+    _add_quiet(parser)
     return parser
+
+
+def _add_quiet(parser: argparse.ArgumentParser) -> None:
+    """`--quiet` on every command that runs (each leaf of the command tree), for scripts: no progress
+    bars or progress lines (megabam/progress.py), only results and errors."""
+    subcommands = parser._subparsers._group_actions[0].choices if parser._subparsers else None
+    if subcommands:
+        for child in dict.fromkeys(subcommands.values()):
+            _add_quiet(child)
+    elif "--quiet" not in parser._option_string_actions:
+        parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or progress lines")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +84,7 @@ COMMANDS = {
 
 
 def _run(args) -> int:
+    progress.set_quiet(args.quiet)
     if args.command != "train":  # train ends its start-up after the config is checked
         process.start_collecting()
     return COMMANDS[args.command](args)

@@ -42,6 +42,7 @@ from megabam.data.packing import Packer
 from megabam.data.shards import open_mds_writer, verify_shards, write_sample
 from megabam.data.sources import SourceStats, consecutive_groups, expand_inputs, pieces, read_documents
 from megabam.data.tokenizer import copy_tokenizer, load_tokenizer, open_tokenizer
+from megabam.progress import Progress
 
 SPLITS = ("train", "val")
 # Fewer validation samples than this draws a warning: one evaluation of the trainer's defaults
@@ -50,7 +51,6 @@ SPLITS = ("train", "val")
 MIN_VAL_SAMPLES = 64
 TASK_BYTES = 64 * 2**20  # input bytes per task: many tasks per worker on a large corpus, few files each
 PLAN, DONE, MERGE_LOCK = "plan.json", "done", "merge.lock"
-LOG_EVERY_S = 30.0  # progress lines off a terminal
 
 
 @dataclass
@@ -312,7 +312,7 @@ def _run_tasks(staging: Path, plan: dict, todo: list[int], workers: int, progres
         )
         for t in todo
     ]
-    report = _Progress(sum(n for t in tasks for _, _, n in t.pieces), progress)
+    report = Progress("prepare", sum(n for t in tasks for _, _, n in t.pieces), "B", binary=True, enabled=progress)
     # spawn, not fork: the parent may hold threads (tqdm's monitor, streaming's writers). An executor,
     # not multiprocessing.Pool: a worker killed outright (the OOM killer) breaks it, where a Pool
     # would wait for the lost task for ever.
@@ -321,7 +321,7 @@ def _run_tasks(staging: Path, plan: dict, todo: list[int], workers: int, progres
 
     def file_done(size: int) -> None:
         _add(done_bytes, size)
-        report.update(done_bytes.value)
+        report.advance_to(done_bytes.value)
 
     if workers <= 1 or len(tasks) <= 1:  # here: no process to start
         try:
@@ -344,7 +344,7 @@ def _run_tasks(staging: Path, plan: dict, todo: list[int], workers: int, progres
             pending = {f for f in futures if not f.cancelled()}
             while pending:
                 finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-                report.update(done_bytes.value)
+                report.advance_to(done_bytes.value)
                 for future in finished:
                     future.result()  # a worker's DataError comes out here, one line
         except BrokenProcessPool:
@@ -546,38 +546,3 @@ def _merge_index(split_dir: Path, part_indexes: list[Path]) -> None:
         merge_index([str(p) for p in part_indexes], str(split_dir))
     finally:
         logging.disable(logging.NOTSET)
-
-
-class _Progress:
-    """Input bytes done of the total, with rate and ETA: a bar on a terminal, a log line every
-    LOG_EVERY_S off one."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.start, self.last_line = total, enabled, time.perf_counter(), 0.0
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc="prepare", unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
-
-    def update(self, done: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(done - self.bar.n)
-            return
-        now = time.perf_counter()
-        if now - self.last_line >= LOG_EVERY_S and done:
-            elapsed = now - self.start
-            eta = elapsed * (self.total - done) / done
-            print(
-                f"prepare: {done / 2**20:,.1f} of {self.total / 2**20:,.1f} MiB ({done / max(self.total, 1):.0%}), "
-                f"{done / 2**20 / elapsed:,.2f} MiB/s, ETA {eta / 60:.1f} min",
-                file=sys.stderr,
-                flush=True,
-            )
-            self.last_line = now
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

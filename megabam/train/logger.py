@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from megabam import progress
 from megabam.config.schema import Config, LoggingConfig
 from megabam.plan.hardware import gpu_of_device
 
@@ -59,7 +60,7 @@ class RunLogger:
         if not enabled:
             return
         self.metrics_path = run_dir / "metrics.jsonl"
-        if cfg.logging.progress_bar:
+        if cfg.logging.progress_bar and not progress.quiet():  # --quiet (MEGABAM_QUIET) wins
             self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         if cfg.logging.wandb_mode != "disabled":
             self.wandb_run = _start_wandb(cfg, run_dir, wandb_id)

@@ -7,8 +7,8 @@ import random
 import pytest
 from helpers.prepared import prepared_samples
 
+import megabam.progress
 from megabam.cli import main
-from megabam.data import prepare as prepare_module
 from megabam.data.corpus import python_stdlib_documents
 from megabam.data.prepare import prepare_dataset
 from megabam.data.tokenizer import open_tokenizer, train_tokenizer
@@ -167,11 +167,12 @@ def test_a_part_from_another_plan_or_tokenizer_is_refused(tmp_path, corpus, tok_
 
 
 def test_progress_is_bytes_of_the_total_with_an_eta_off_a_terminal(tmp_path, corpus, tok_path, capsys, monkeypatch):
-    monkeypatch.setattr(prepare_module, "LOG_EVERY_S", 0.0)
+    monkeypatch.setattr(megabam.progress, "LINE_EVERY_S", 0.0)
     total = sum(f.stat().st_size for f in corpus.iterdir())
     prepare_dataset([str(corpus)], tmp_path / "o", tok_path, 31, workers=0, task_bytes=5000, progress=True)
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("prepare: ")]
     # One per piece finished: a file over 5,000 bytes is read in pieces of at most that.
     assert len(lines) == sum(-(-f.stat().st_size // 5000) for f in corpus.iterdir()) > len(list(corpus.iterdir()))
-    assert lines[-1].startswith(f"prepare: {total / 2**20:,.1f} of {total / 2**20:,.1f} MiB (100%), ")
-    assert all(" MiB/s, ETA " in x for x in lines)
+    amount = f"{total / 2**10:.1f}KiB" if total < 2**20 else f"{total / 2**20:.1f}MiB"
+    assert lines[-1].startswith(f"prepare: {amount} of {amount} (100%), ")
+    assert all("B/s, ETA " in x for x in lines)

@@ -1,0 +1,108 @@
+"""Progress of every command that can take more than a few seconds, in one form: a bar with rate and
+ETA on a terminal, a line every LINE_EVERY_S off one (a log file, a batch job), nothing in quiet mode
+(`--quiet` on any command, or MEGABAM_QUIET=1). Written to stderr, so stdout keeps the results."""
+
+import os
+import sys
+import time
+
+LINE_EVERY_S = 30.0
+_quiet = False
+
+
+def set_quiet(quiet: bool) -> None:
+    """The CLI's `--quiet` for this process (and the processes it starts, through the environment)."""
+    global _quiet
+    _quiet = quiet
+    if quiet:
+        os.environ["MEGABAM_QUIET"] = "1"
+
+
+def quiet() -> bool:
+    return _quiet or os.environ.get("MEGABAM_QUIET", "") not in ("", "0")
+
+
+class Progress:
+    """`done` of `total` units of work, with rate and ETA. Give `total` in what the cost grows with
+    (tokens of prompts of different lengths, bytes of tensors of different sizes), so the ETA holds.
+    Amounts show as 1.2k, 3.4M; `binary` counts in KiB, MiB (bytes)."""
+
+    def __init__(
+        self, desc: str, total: float, unit: str = "", binary: bool = False, enabled: bool = True, stream=None
+    ):
+        self.desc, self.total, self.unit, self.binary = desc, total, unit, binary
+        self.stream = stream or sys.stderr
+        self.done = 0.0
+        self.start = self.last_line = time.perf_counter()
+        self.bar = None
+        self.enabled = enabled and not quiet()
+        if self.enabled and self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total,
+                desc=desc,
+                unit=unit or "it",
+                unit_scale=True,
+                unit_divisor=1024 if binary else 1000,
+                file=self.stream,
+                dynamic_ncols=True,
+            )
+
+    def advance_to(self, done: float) -> None:
+        self.advance(done - self.done)
+
+    def advance(self, n: float = 1) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.enabled and time.perf_counter() - self.last_line >= LINE_EVERY_S:
+            self.last_line = time.perf_counter()
+            print(self.line(), file=self.stream, flush=True)
+
+    def note(self, text: str) -> None:
+        """A line of news (a finished row of results), written around the bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def line(self) -> str:
+        """'DESC: done of total (share), rate, ETA' as written off a terminal."""
+        elapsed = time.perf_counter() - self.start
+        speed = self.done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / speed if speed > 0 else float("nan")
+        share = self.done / self.total if self.total else 1.0
+        done, total, rate = (self._amount(n) + self.unit for n in (self.done, self.total, speed))
+        return f"{self.desc}: {done} of {total} ({share:.0%}), {rate}/s, ETA {_duration(eta)}"
+
+    def _amount(self, n: float) -> str:
+        base, prefixes = (1024, ("", "Ki", "Mi", "Gi", "Ti")) if self.binary else (1000, ("", "k", "M", "G", "T"))
+        for prefix in prefixes:
+            if abs(n) < base or prefix == prefixes[-1]:
+                return f"{n:.0f}" if not prefix else f"{n:.1f}{prefix}"
+            n /= base
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _duration(seconds: float) -> str:
+    if seconds != seconds:  # NaN: no rate yet
+        return "?"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
