@@ -11,11 +11,9 @@ _quiet = False
 
 
 def set_quiet(quiet: bool) -> None:
-    """The CLI's `--quiet` for this process (and the processes it starts, through the environment)."""
+    """The CLI's `--quiet` for this command."""
     global _quiet
     _quiet = quiet
-    if quiet:
-        os.environ["MEGABAM_QUIET"] = "1"
 
 
 def quiet() -> bool:

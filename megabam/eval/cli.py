@@ -17,6 +17,7 @@ from megabam.config.schema import MAX_TOKENS
 from megabam.data.niah import VARIANTS
 from megabam.errors import BadArgument
 from megabam.eval.figures import FORMATS
+from megabam.progress import Progress
 
 
 def add_eval_parser(sub) -> None:
@@ -206,7 +207,9 @@ def _plot_attention(args) -> Path:
         raise BadArgument(
             None, "--length", f"{length} (default data.seq_len) is too short for a passkey prompt"
         ) from None
-    return plot_attention(trained, ids, marks, _plot_path(args, trained.run_dir, f"attention-{trained.tag}"))
+    with Progress("attention", 1) as progress:  # one forward pass: seconds at 16k tokens on a CPU
+        progress.note(f"attention: running the model on a {len(ids):,}-token passkey prompt, then drawing every head")
+        return plot_attention(trained, ids, marks, _plot_path(args, trained.run_dir, f"attention-{trained.tag}"))
 
 
 def _plot_training(args) -> Path:
@@ -278,16 +281,18 @@ def _passkey(args) -> list[str]:
     seq_len = trained.config.data.seq_len
     lengths = args.lengths or [seq_len, 4 * seq_len, 16 * seq_len]
     _require(all(1 <= n <= MAX_TOKENS for n in lengths), f"--lengths must lie in 1..{MAX_TOKENS:,}, got {lengths}")
-    grid = passkey_grid(
-        lambda ids: predict_next(trained.model, ids, args.chunk),
-        trained.tokenizer,
-        lengths,
-        args.depths,
-        args.trials,
-        args.seed,
-        args.device,
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
-    )
+    prompts = len(args.depths) * args.trials
+    with Progress("passkey", prompts * sum(lengths), " tok") as progress:
+        grid = passkey_grid(
+            lambda ids: predict_next(trained.model, ids, args.chunk),
+            trained.tokenizer,
+            lengths,
+            args.depths,
+            args.trials,
+            args.seed,
+            args.device,
+            progress,
+        )
     data = {"checkpoint": str(trained.checkpoint), "step": trained.meta.step, "train_length": seq_len, **grid.to_json()}
     json_path = _write_json(out / f"passkey-{tag}.json", data)
     title = f"passkey retrieval, {trained.run_dir.name} @ step {trained.meta.step} (trained at {seq_len})"
@@ -315,6 +320,8 @@ def _niah(args) -> list[str]:
     lengths = args.lengths or [seq_len, 4 * seq_len]
     _require(all(1 <= n <= MAX_TOKENS for n in lengths), f"--lengths must lie in 1..{MAX_TOKENS:,}, got {lengths}")
     lines, results = [f"RULER NIAH, string_match_all ({args.trials} prompts per cell), {trained.checkpoint}"], []
+    prompts = len(args.depths) * args.trials
+    progress = Progress("niah", len(args.variants) * prompts * sum(lengths), " tok")
     for variant in args.variants:
         grid = niah_grid(
             trained.model,
@@ -326,19 +333,20 @@ def _niah(args) -> list[str]:
             args.seed,
             args.chunk,
             essay,
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
+            progress,
         )
         results.append(grid.to_json())
         title = f"NIAH {variant}, {trained.run_dir.name} @ step {trained.meta.step} (trained at {seq_len})"
         figure = heatmap(grid.scores, lengths, args.depths, title, out / f"niah-{variant}-{tag}{_figure_suffix(args)}")
         lines += [*grid.table(), str(figure), ""]
+    progress.close()
     data = {"checkpoint": str(trained.checkpoint), "step": trained.meta.step, "train_length": seq_len, "tasks": results}
     return [*lines, str(_write_json(out / f"niah-{tag}.json", data))]
 
 
 def _ppl(args) -> list[str]:
     from megabam.eval.figures import bucket_plot
-    from megabam.eval.perplexity import evaluation_tokens, perplexity_report
+    from megabam.eval.perplexity import evaluation_tokens, perplexity_report, tokens_run
 
     trained, out, tag = _load(args)
     seq_len = trained.config.data.seq_len
@@ -353,7 +361,8 @@ def _ppl(args) -> list[str]:
     _require(args.max_tokens >= length, f"--max-tokens ({args.max_tokens}) must be at least --length ({length})")
     tokens = evaluation_tokens(trained.tokenizer, args.text, args.dataset, args.max_tokens)
     _require(len(tokens) >= length, f"the input holds {len(tokens)} tokens, fewer than --length {length}")
-    report = perplexity_report(trained.model, tokens, length, window, stride, args.buckets, args.chunk)
+    with Progress("ppl", tokens_run(len(tokens), length, window, stride), " tok") as progress:
+        report = perplexity_report(trained.model, tokens, length, window, stride, args.buckets, args.chunk, progress)
     data = {
         "checkpoint": str(trained.checkpoint),
         "step": trained.meta.step,

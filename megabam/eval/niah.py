@@ -6,7 +6,6 @@ plus a few tokens, through the chunked prefill and the carried state of megabam/
 """
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megabam.data.niah import niah_sample, string_match_all
@@ -14,6 +13,7 @@ from megabam.data.tokenizer import Tokenizer
 from megabam.eval.generate import generate_greedy
 from megabam.eval.passkey import grid_table
 from megabam.model import Decoder
+from megabam.progress import Progress
 
 SPARE_TOKENS = 4  # generated beyond the answer's own length
 
@@ -56,7 +56,7 @@ def niah_grid(
     seed: int,
     chunk: int,
     essay: str | None = None,
-    progress: Callable[[str], None] = lambda line: None,
+    progress: Progress | None = None,
 ) -> NiahGrid:
     """`trials` prompts of each (length, depth) cell, each with its own keys and values."""
     rng = random.Random(seed)
@@ -70,9 +70,12 @@ def niah_grid(
                 limit = len(sample.answer_ids) + SPARE_TOKENS
                 output = tokenizer.decode(generate_greedy(model, sample.prompt_ids, limit, {tokenizer.eos_id}, chunk))
                 total += string_match_all(output, sample.values)
+                if progress:
+                    progress.advance(n)
                 if trial == 0:
                     examples.append({"length": n, "depth": depth, "answer": sample.answer, "output": output.strip()})
             row.append(total / trials)
         scores.append(row)
-        progress(f"{variant} @ {n}: {sum(row) / len(row):.0%}")
+        if progress:
+            progress.note(f"{variant} @ {n}: {sum(row) / len(row):.0%}")
     return NiahGrid(variant, lengths, depths, trials, scores, examples)

@@ -14,6 +14,7 @@ import torch
 
 from megabam.data.passkey import passkey_sample, random_key
 from megabam.data.tokenizer import Tokenizer
+from megabam.progress import Progress
 
 Predict = Callable[[torch.Tensor], torch.Tensor]  # token ids (1, n) → the argmax next token at each position (1, n)
 
@@ -90,20 +91,26 @@ def passkey_grid(
     trials: int,
     seed: int,
     device,
-    progress: Callable[[str], None] = lambda line: None,
+    progress: Progress | None = None,
 ) -> PasskeyGrid:
-    """`trials` prompts, each with its own random key, in every (length, depth) cell."""
+    """`trials` prompts, each with its own random key, in every (length, depth) cell; `progress` counts
+    the prompts' tokens (a 16k prompt costs 16 of 1k) and gets a line per finished length."""
     rng = random.Random(seed)
     retrieved, key_tokens = [], []
     for n in lengths:
         row_hits, row_tokens = [], []
         for depth in depths:
-            right = [score_prompt(predict, tokenizer, n, depth, random_key(rng), device) for _ in range(trials)]
+            right = []
+            for _ in range(trials):
+                right.append(score_prompt(predict, tokenizer, n, depth, random_key(rng), device))
+                if progress:
+                    progress.advance(n)
             row_hits.append(sum(all(r) for r in right))
             row_tokens.append(sum(sum(r) for r in right) / sum(len(r) for r in right))
         retrieved.append(row_hits)
         key_tokens.append(row_tokens)
-        progress(f"passkey @ {n}: {sum(row_hits)}/{trials * len(depths)} retrieved")
+        if progress:
+            progress.note(f"passkey @ {n}: {sum(row_hits)}/{trials * len(depths)} retrieved")
     return PasskeyGrid(lengths, depths, trials, retrieved, key_tokens)
 
 

@@ -19,6 +19,7 @@ from megabam.data.shards import iter_mds_samples
 from megabam.data.tokenizer import Tokenizer
 from megabam.eval.generate import token_losses
 from megabam.model import Decoder
+from megabam.progress import Progress
 
 
 def read_text(path: str) -> str:
@@ -91,40 +92,67 @@ class PerplexityReport:
         }
 
 
-def plain_losses(model: Decoder, tokens: list[int], length: int, chunk: int) -> torch.Tensor:
+def plain_losses(
+    model: Decoder, tokens: list[int], length: int, chunk: int, progress: Progress | None = None
+) -> torch.Tensor:
     """Per-token losses (sequences, length − 1) of the consecutive `length`-token sequences of `tokens`."""
     device = model.embed.weight.device
-    rows = [
-        token_losses(model, torch.tensor([tokens[i : i + length]], device=device), chunk)
-        for i in range(0, len(tokens) - length + 1, length)
-    ]
+    rows = []
+    for i in range(0, len(tokens) - length + 1, length):
+        rows.append(token_losses(model, torch.tensor([tokens[i : i + length]], device=device), chunk))
+        if progress:
+            progress.advance(length)
     return torch.stack(rows)
 
 
-def sliding_window_loss(model: Decoder, tokens: list[int], window: int, stride: int, chunk: int) -> tuple[float, int]:
+def windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int]]:
+    """The (begin, end) spans the sliding-window protocol scores: every `stride` tokens until one reaches the end."""
+    spans = []
+    for begin in range(0, n_tokens - 1, stride):
+        spans.append((begin, min(begin + window, n_tokens)))
+        if spans[-1][1] == n_tokens:
+            break
+    return spans
+
+
+def sliding_window_loss(
+    model: Decoder, tokens: list[int], window: int, stride: int, chunk: int, progress: Progress | None = None
+) -> tuple[float, int]:
     """Mean loss and number of targets under the sliding-window protocol over all of `tokens`."""
     device = model.embed.weight.device
     total, count, scored_to = 0.0, 0, 1  # target positions < scored_to are done (position 0 has no context)
-    for begin in range(0, len(tokens) - 1, stride):
-        end = min(begin + window, len(tokens))
+    for begin, end in windows(len(tokens), window, stride):
         losses = token_losses(model, torch.tensor([tokens[begin:end]], device=device), chunk)
         first = max(scored_to, begin + 1) - (begin + 1)  # losses[j] is target position begin + 1 + j
         total += losses[first:].double().sum().item()
         count += losses.shape[0] - first
         scored_to = end
-        if end == len(tokens):
-            break
+        if progress:
+            progress.advance(end - begin)
     return total / count, count
 
 
+def tokens_run(n_tokens: int, length: int, window: int, stride: int) -> int:
+    """Tokens perplexity_report runs the model on: the plain sequences, then the sliding windows."""
+    return n_tokens // length * length + sum(end - begin for begin, end in windows(n_tokens, window, stride))
+
+
 def perplexity_report(
-    model: Decoder, tokens: list[int], length: int, window: int, stride: int, n_buckets: int, chunk: int
+    model: Decoder,
+    tokens: list[int],
+    length: int,
+    window: int,
+    stride: int,
+    n_buckets: int,
+    chunk: int,
+    progress: Progress | None = None,
 ) -> PerplexityReport:
-    losses = plain_losses(model, tokens, length, chunk)
+    """Both protocols' losses; `progress` advances by the tokens run (of `tokens_run`'s total)."""
+    losses = plain_losses(model, tokens, length, chunk, progress)
     per_position = losses.double().mean(0)  # index p − 1 = target position p
     edges = [round(1 + k * (length - 1) / n_buckets) for k in range(n_buckets + 1)]
     buckets = [(a, b, per_position[a - 1 : b - 1].mean().item()) for a, b in zip(edges, edges[1:]) if b > a]
-    window_loss, targets = sliding_window_loss(model, tokens, window, stride, chunk)
+    window_loss, targets = sliding_window_loss(model, tokens, window, stride, chunk, progress)
     return PerplexityReport(
         length, losses.shape[0], losses.double().mean().item(), window, stride, window_loss, targets, buckets
     )

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megabam.progress import Progress
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -72,8 +74,9 @@ def trained_to_the_end(run_dir: Path, steps: int) -> bool:
     return latest.is_file() and latest.read_text().strip() == f"step_{steps:08d}"
 
 
-def train_run(study: Study, arm: str, seed: int, out: Path, overrides: list[str], log) -> None:
-    """`megabam train` of one arm and seed (resuming the run if it was interrupted)."""
+def train_run(study: Study, arm: str, seed: int, out: Path, overrides: list[str], log: Path, steps: int) -> None:
+    """`megabam train` of one arm and seed (resuming the run if it was interrupted), its output into
+    `log`; its steps shown as they reach the run's metrics.jsonl."""
     cmd = [
         sys.executable,
         "-m",
@@ -87,12 +90,31 @@ def train_run(study: Study, arm: str, seed: int, out: Path, overrides: list[str]
         f"run.name={run_name(arm, seed)}",
         "logging.progress_bar=false",
     ]
-    with log.open("a") as f:
+    metrics = out / run_name(arm, seed) / "metrics.jsonl"
+    with log.open("a") as f, Progress(f"train {run_name(arm, seed)}", steps, " steps") as progress:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=os.environ.copy()).returncode
+        with subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=os.environ.copy()) as proc:
+            while proc.poll() is None:
+                time.sleep(1.0)
+                progress.advance_to(last_step(metrics))
+        code = proc.returncode
     if code != 0:
         raise ArmFailed(f"training {run_name(arm, seed)} failed (exit {code}); its output is in {log}")
+
+
+def last_step(metrics: Path) -> int:
+    """The step of a metrics.jsonl's last complete row (0 before the first)."""
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):  # a row being written
+            continue
+    return 0
 
 
 def evaluation(multiples: list[int], depths: list[float], trials: int) -> dict:
@@ -112,8 +134,10 @@ def evaluate_run(run_dir: Path, multiples: list[int], depths: list[float], trial
     trained = load_trained(run_dir)
     n = trained.config.data.seq_len
     lengths = [m * n for m in multiples]
+    tasks = 2 if niah else 1
+    progress = Progress(f"score {run_dir.name}", tasks * len(depths) * trials * sum(lengths), " tok")
     grid = passkey_grid(
-        lambda ids: predict_next(trained.model, ids), trained.tokenizer, lengths, depths, trials, 0, "cpu"
+        lambda ids: predict_next(trained.model, ids), trained.tokenizer, lengths, depths, trials, 0, "cpu", progress
     )
     result = {
         "evaluation": evaluation(multiples, depths, trials),
@@ -126,8 +150,11 @@ def evaluate_run(run_dir: Path, multiples: list[int], depths: list[float], trial
         ),
     }
     if niah:
-        needles = niah_grid(trained.model, trained.tokenizer, "single_1", lengths, depths, trials, 0, 1024)
+        needles = niah_grid(
+            trained.model, trained.tokenizer, "single_1", lengths, depths, trials, 0, 1024, progress=progress
+        )
         result["niah_single_1"] = {str(m): sum(row) / len(row) for m, row in zip(multiples, needles.scores)}
+    progress.close()
     return result
 
 
@@ -203,7 +230,7 @@ def reproduce(
         else:
             trained_before = trained_to_the_end(run_dir, steps)
             if not trained_before:
-                train_run(study, arm, seed, out, [*overrides, f"train.steps={steps}"], log)
+                train_run(study, arm, seed, out, [*overrides, f"train.steps={steps}"], log, steps)
             result = evaluate_run(run_dir, multiples, depths, trials, study.niah)
             cached.parent.mkdir(parents=True, exist_ok=True)
             partial = cached.with_suffix(".json.partial")  # a kill mid-write leaves no torn result

@@ -12,6 +12,7 @@ import torch
 from helpers.checkpoints import write_run
 from helpers.runs import CONFIG
 
+import megabam.progress
 from megabam.cli import main
 from megabam.config import load_config
 from megabam.data.corpus import python_stdlib_documents
@@ -21,7 +22,7 @@ from megabam.data.tokenizer import train_tokenizer
 from megabam.eval.generate import generate_greedy, predict_next, token_losses
 from megabam.eval.niah import niah_grid
 from megabam.eval.passkey import passkey_grid
-from megabam.eval.perplexity import perplexity_report, plain_losses, sliding_window_loss
+from megabam.eval.perplexity import perplexity_report, plain_losses, sliding_window_loss, tokens_run, windows
 from megabam.model import Decoder
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -328,3 +329,31 @@ def test_niah_grid_answers_by_greedy_generation(tokenizer):
     grid = niah_grid(model, tokenizer, "multivalue", [500], [0.0, 1.0], trials=1, seed=0, chunk=64)
     assert len(grid.scores) == 1 and all(0.0 <= s <= 1.0 for s in grid.scores[0])
     assert [e["depth"] for e in grid.examples] == [0.0, 1.0] and grid.examples[0]["answer"].count(",") == 3
+
+
+def test_eval_progress_counts_prompt_and_window_tokens_and_quiet_silences_it(tmp_path, capsys, shared_run, monkeypatch):
+    """Off a terminal (a log) a line per prompt here (LINE_EVERY_S 0), in tokens: a 400-token prompt is
+    more work than a 300-token one. --quiet leaves stderr empty and stdout as it was."""
+    monkeypatch.setattr(megabam.progress, "LINE_EVERY_S", 0.0)
+    passkey = ["eval", "passkey", str(shared_run), "--lengths", "300", "400", "--depths", "0", "1", "--trials", "1"]
+    assert main([*passkey, "--out", str(tmp_path / "a")]) == 0
+    out, err = capsys.readouterr()
+    lines = [x for x in err.splitlines() if x.startswith("passkey: ")]
+    assert [x.split(" (")[0] for x in lines] == [
+        "passkey: 300 tok of 1.4k tok",
+        "passkey: 600 tok of 1.4k tok",
+        "passkey: 1.0k tok of 1.4k tok",
+        "passkey: 1.4k tok of 1.4k tok",
+    ]
+    assert "(100%)" in lines[-1] and any(x.startswith("passkey @ 400: ") for x in err.splitlines())
+    assert main([*passkey, "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    quiet_out, quiet_err = capsys.readouterr()
+    assert quiet_err == "" and quiet_out.replace("/b/", "/a/") == out
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(python_stdlib_documents(40_000))[:20_000])
+    ppl = ["eval", "ppl", str(shared_run), "--text", str(text), "--length", "256", "--max-tokens", "1024"]
+    assert main([*ppl, "--out", str(tmp_path / "c")]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("ppl: ")]
+    total = tokens_run(1024, 256, 64, 32)  # the four plain sequences and every window
+    assert len(lines) == 4 + len(windows(1024, 64, 32)) and f"of {total / 1000:.1f}k tok (100%)" in lines[-1]

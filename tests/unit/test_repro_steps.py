@@ -26,3 +26,12 @@ def test_steps_per_run(monkeypatch, tmp_path, study, extra, steps):
     monkeypatch.setattr(repro, "reproduce", record)
     assert main(["repro", study, *extra, "--out", str(tmp_path)]) == 0
     assert seen["steps"] == steps
+
+
+def test_a_repro_runs_progress_is_the_last_complete_metrics_row(tmp_path):
+    from megabam.eval.repro import last_step
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert last_step(metrics) == 0  # not yet written
+    metrics.write_text('{"step": 10, "loss": 3.0}\n{"step": 20, "loss": 2.5}\n{"step": 3')  # a row being written
+    assert last_step(metrics) == 20
