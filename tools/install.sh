@@ -8,9 +8,18 @@
 #    the CPU wheel; megabam never uses streaming's vision part, so streaming goes in with --no-deps
 #    (megabam/data/streaming_import.py explains the matching import shim);
 #  * DeepSpeed builds from an sdist that imports torch, so it must see the environment's torch.
+#
+# Usage: bash tools/install.sh [--with-test-cluster]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+WITH_TEST_CLUSTER=0
+for arg in "$@"; do
+  case $arg in
+    --with-test-cluster) WITH_TEST_CLUSTER=1 ;;
+    *) echo "install.sh: unknown option $arg (known: --with-test-cluster)" >&2; exit 2 ;;
+  esac
+done
 
 if [[ -n "${MEGABAM_PYTHON:-}" ]]; then
   PY=$MEGABAM_PYTHON
@@ -31,22 +40,29 @@ CONSTRAINTS=$ROOT/.cache/constraints.txt
 echo "$TORCH_PIN" > "$CONSTRAINTS"
 export PIP_CONSTRAINT=$CONSTRAINTS
 
-# OpenMPI for mpi4py and launch/mpirun.sh; Slurm and munge for the launcher tests' real one-node cluster.
-packages=()
-command -v mpicc >/dev/null || packages+=(libopenmpi-dev openmpi-bin)
-[[ -x /usr/sbin/slurmctld ]] || command -v slurmctld >/dev/null || packages+=(slurm-wlm munge)
-if ((${#packages[@]})); then
-  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+# OpenMPI (launch/mpirun.sh, and mpi4py, which builds against it) and Slurm with munge (the launcher
+# tests' real one-node cluster) are system packages: installed only when asked, with --with-test-cluster
+# (as root, through apt-get; .ci/run passes it). Without them everything but those launchers works, and
+# their tests are skipped, saying why.
+if [[ $WITH_TEST_CLUSTER == 1 ]]; then
+  packages=()
+  command -v mpicc >/dev/null || packages+=(libopenmpi-dev openmpi-bin)
+  [[ -x /usr/sbin/slurmctld ]] || command -v slurmctld >/dev/null || packages+=(slurm-wlm munge)
+  if ((${#packages[@]})); then
+    if [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null; then
+      echo "install.sh: --with-test-cluster installs ${packages[*]} with apt-get, as root; install them yourself" >&2
+      exit 1
+    fi
+    echo "install.sh: --with-test-cluster: apt-get install ${packages[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null
-  elif ! command -v mpicc >/dev/null; then
-    echo "install.sh: mpi4py needs an MPI (mpicc not found); install OpenMPI, e.g. apt-get install libopenmpi-dev openmpi-bin" >&2
-    exit 1
-  else
-    echo "install.sh: Slurm is not installed, so its launcher tests will be skipped (apt-get install slurm-wlm munge)" >&2
   fi
+elif ! command -v mpicc >/dev/null; then
+  echo "install.sh: no MPI here: mpi4py not installed, so launch/mpirun.sh cannot run (install OpenMPI, or" \
+    "run with --with-test-cluster as root); every other launcher works" >&2
 fi
 
 "${PIP[@]}" -r tools/requirements-cpu.txt
+if command -v mpicc >/dev/null; then "${PIP[@]}" "mpi4py>=4"; fi
 "${PIP[@]}" --no-deps "mosaicml-streaming==0.13.0"
 "$PY" -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation "deepspeed>=0.16,<0.20"
 "${PIP[@]}" --no-deps --no-build-isolation -e .

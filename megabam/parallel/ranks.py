@@ -85,7 +85,15 @@ def launcher_of(environ: Mapping[str, str]) -> str:
 
 
 def _mpi_world():
-    from mpi4py import MPI  # only under an MPI launcher: importing it initialises MPI
+    try:
+        from mpi4py import MPI  # only under an MPI launcher: importing it initialises MPI
+    except ImportError:
+        raise LaunchError(
+            "environment",
+            "mpi4py",
+            "not installed, and an MPI launcher started this rank: install OpenMPI, then rerun tools/install.sh "
+            "(or pass it --with-test-cluster, as root)",
+        ) from None
 
     world = MPI.COMM_WORLD
     return world, world.Split_type(MPI.COMM_TYPE_SHARED)

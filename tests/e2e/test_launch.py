@@ -33,6 +33,17 @@ def launch(tmp_path, data_cache, launcher: str, *args, env=None, **kw) -> subpro
     return subprocess.run(cmd, capture_output=True, text=True, env=run_env, timeout=600, cwd=tmp_path, **kw)
 
 
+def _no_mpi() -> str | None:
+    if shutil.which("mpirun") is None:
+        return "no mpirun"
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "no mpi4py"
+    return None
+
+
+@pytest.mark.skipif(_no_mpi() is not None, reason=f"{_no_mpi()}: bash tools/install.sh --with-test-cluster (as root)")
 def test_mpirun_launcher_trains_like_one_process(tmp_path, data_cache, reference):
     """No MASTER_ADDR: rank 0's host name and port reach the other rank through mpi4py."""
     env = {k: v for k, v in ENV.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
