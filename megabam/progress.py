@@ -20,13 +20,28 @@ def quiet() -> bool:
     return _quiet or os.environ.get("MEGABAM_QUIET", "") not in ("", "0")
 
 
+def note(text: str, stream=None) -> None:
+    """A line of news about a long step that has no measure of its own (a phase beginning), on stderr
+    unless quiet."""
+    if not quiet():
+        print(text, file=stream or sys.stderr, flush=True)
+
+
 class Progress:
     """`done` of `total` units of work, with rate and ETA. Give `total` in what the cost grows with
-    (tokens of prompts of different lengths, bytes of tensors of different sizes), so the ETA holds.
-    Amounts show as 1.2k, 3.4M; `binary` counts in KiB, MiB (bytes)."""
+    (tokens of prompts of different lengths, bytes of tensors of different sizes), so the ETA holds;
+    None when it is not known beforehand (lines of a corpus read as a stream): the amount and rate only.
+    Amounts show as 1.2k, 3.4M; `binary` counts in KiB, MiB (bytes). `unit` is appended to amounts as
+    it is: " lines" reads "1.2k lines", "B" reads "1.2MiB"."""
 
     def __init__(
-        self, desc: str, total: float, unit: str = "", binary: bool = False, enabled: bool = True, stream=None
+        self,
+        desc: str,
+        total: float | None,
+        unit: str = "",
+        binary: bool = False,
+        enabled: bool = True,
+        stream=None,
     ):
         self.desc, self.total, self.unit, self.binary = desc, total, unit, binary
         self.stream = stream or sys.stderr
@@ -67,10 +82,19 @@ class Progress:
         else:
             print(text, file=self.stream, flush=True)
 
+    def iterate(self, items):
+        """`items` as they are, advancing by one as each is done with (the next asked for)."""
+        for item in items:
+            yield item
+            self.advance()
+
     def line(self) -> str:
-        """'DESC: done of total (share), rate, ETA' as written off a terminal."""
+        """'DESC: done of total (share), rate, ETA' as written off a terminal ('DESC: done, rate' without
+        a total)."""
         elapsed = time.perf_counter() - self.start
         speed = self.done / elapsed if elapsed > 0 else 0.0
+        if self.total is None:
+            return f"{self.desc}: {self._amount(self.done)}{self.unit}, {self._amount(speed)}{self.unit}/s"
         eta = (self.total - self.done) / speed if speed > 0 else float("nan")
         share = self.done / self.total if self.total else 1.0
         done, total, rate = (self._amount(n) + self.unit for n in (self.done, self.total, speed))

@@ -45,7 +45,7 @@ def consolidate(
     tokenizer = reader.tokenizer_path()
     entries = list(reader.shapes.items())
     with output_folder(out) as tmp:
-        files = write_model(tmp, entries, DTYPES[dtype], reader.tensor, max_shard_bytes)
+        files = write_model(tmp, entries, DTYPES[dtype], reader.tensor, max_shard_bytes, desc="consolidate")
         save_config(reader.config, tmp / "config.yaml")
         copy_tokenizer(load_tokenizer(tokenizer), tmp)
         (tmp / META_FILE).write_text(reader.meta.to_json())

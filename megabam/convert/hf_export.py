@@ -34,6 +34,7 @@ from megabam.data.tokenizer import (
     copy_tokenizer,
     load_tokenizer,
 )
+from megabam.progress import note
 from megabam.train.checkpoint import META_FILE
 
 PACKAGE = Path(__file__).resolve().parents[1]  # megabam/
@@ -171,9 +172,8 @@ def to_hf(
     bundled = bundle()
     entries = [(PREFIX + name, shape) for name, shape in reader.shapes.items()]
     with output_folder(out) as tmp:
-        files = write_model(
-            tmp, entries, DTYPES[dtype], lambda name: reader.tensor(name[len(PREFIX) :]), max_shard_bytes
-        )
+        fetch = lambda name: reader.tensor(name[len(PREFIX) :])  # noqa: E731
+        files = write_model(tmp, entries, DTYPES[dtype], fetch, max_shard_bytes, desc="to-hf")
         for name, text in bundled.items():
             (tmp / name).write_text(text)
         shutil.copyfile(HF_FILES / "configuration_megabam.py", tmp / "configuration_megabam.py")
@@ -193,6 +193,7 @@ def to_hf(
             torch_dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
         )
         config.save_pretrained(tmp)
+        note("to-hf: writing the tokenizer for transformers (tokenizer.json and its configs)")
         write_tokenizer(tokenizer, tmp, reader.config.data.seq_len)
         # What `from-hf` needs to turn the folder back into a megabam one (transformers ignores them).
         save_config(reader.config, tmp / CONFIG_FILE)

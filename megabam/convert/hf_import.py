@@ -81,7 +81,7 @@ def from_hf(folder: Path, out: Path, overwrite: bool = False) -> list[str]:
             raise CheckpointError(folder, None, f"{name} would have shape {list(found)}, the model {list(shape)}")
     dtype = source.fetch(next(iter(shapes))).dtype
     with output_folder(out) as tmp:
-        files = write_model(tmp, list(shapes.items()), dtype, source.fetch, 5 * 10**9)
+        files = write_model(tmp, list(shapes.items()), dtype, source.fetch, 5 * 10**9, desc="from-hf")
         save_config(source.config, tmp / "config.yaml")
         copied = copy_tokenizer(tokenizer, tmp).name if tokenizer is not None else ""
         meta = source.meta if source.meta.tokenizer else dataclasses.replace(source.meta, tokenizer=copied)

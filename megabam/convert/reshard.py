@@ -35,6 +35,7 @@ from megabam.data.tokenizer import copy_tokenizer, load_tokenizer
 from megabam.errors import BadArgument
 from megabam.parallel.layout import ParallelLayout
 from megabam.parallel.pipeline_layers import shard_identity
+from megabam.progress import Progress, note
 from megabam.train.checkpoint import CheckpointError, checkpoint_root, list_tags
 
 SOURCE = "<reshard>"
@@ -109,6 +110,10 @@ def reshard(
         metrics = reader.run_dir / "metrics.jsonl"
         if metrics.is_file():  # the resumed run drops its rows past the checkpoint (and any cut short)
             shutil.copyfile(metrics, tmp / "metrics.jsonl")
+        note(
+            f"reshard: building data {dp} × pipeline {pp} × tensor {tp} on {world} local process(es), each reading "
+            "its share of the weights and optimizer state (progress: rank 0's)"
+        )
         _run_ranks(out, world, str(reader.path), str(tmp), raw, str(out / copied.name))
         written = list_tags(tmp)
         if not written:
@@ -178,21 +183,29 @@ def write_rank(source: str, run_dir: str, raw: dict, tokenizer: str) -> None:
         group.update({k: v for k, v in state.groups[group["name"]].hyper.items() if k in ("lr", "initial_lr")})
         adam.state[flat] = {"step": torch.tensor(float(state.step))}
         adam.state[flat].update({kind: torch.zeros_like(flat) for kind in KINDS[1:]})
-    with torch.no_grad():
-        for key, param in ds.module.named_parameters():
-            if key.startswith(PLACEHOLDER):  # stays zero, as in training
-                continue
+    params = [(key, p) for key, p in ds.module.named_parameters() if not key.startswith(PLACEHOLDER)]
+    # A placeholder stays zero, as in training. Progress in parameters of the full tensors read (what
+    # the reading costs), rank 0's only (the ranks' shares are alike).
+    total = sum(torch.Size(reader.shapes[decoder_name(key, new_layers)]).numel() for key, _ in params)
+    report = Progress("reshard (rank 0)", total, " params", enabled=topology.rank == 0)
+
+    def fill(name: str, param: torch.nn.Parameter) -> None:
+        param.copy_(local(name, reader.tensor(name)))
+        mapping = getattr(param, "_hp_mapping", None)  # None: no fragment in this rank's partition
+        if not param.requires_grad or mapping is None:
+            return
+        flat = adam.param_groups[mapping.param_group_index]["params"][0]
+        targets = {"fp32": flat, **{kind: adam.state[flat][kind] for kind in KINDS[1:]}}
+        lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+        for kind, value in state.full(name).items():
+            fragment = local(name, value).flatten().narrow(0, lp.start, lp.numel)
+            targets[kind].narrow(0, hp.start, hp.numel).copy_(fragment)
+
+    with torch.no_grad(), report:
+        for key, param in params:
             name = decoder_name(key, new_layers)
-            param.copy_(local(name, reader.tensor(name)))
-            mapping = getattr(param, "_hp_mapping", None)  # None: no fragment in this rank's partition
-            if not param.requires_grad or mapping is None:
-                continue
-            flat = adam.param_groups[mapping.param_group_index]["params"][0]
-            targets = {"fp32": flat, **{kind: adam.state[flat][kind] for kind in KINDS[1:]}}
-            lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
-            for kind, value in state.full(name).items():
-                fragment = local(name, value).flatten().narrow(0, lp.start, lp.numel)
-                targets[kind].narrow(0, hp.start, hp.numel).copy_(fragment)
+            fill(name, param)
+            report.advance(torch.Size(reader.shapes[name]).numel())
     names = [g["name"] for g in adam.param_groups]
     ds.lr_scheduler.load_state_dict(dict(state.scheduler_state(names), lr_lambdas=[None] * len(names)))
     ds.global_steps = state.counters["global_steps"]

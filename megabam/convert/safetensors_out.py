@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from megabam.progress import Progress
+
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -51,10 +53,14 @@ def shard_names(entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, 
 
 
 def write_file(
-    path: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, fetch: Callable[[str], Tensor]
+    path: Path,
+    entries: list[tuple[str, tuple[int, ...]]],
+    dtype: torch.dtype,
+    fetch: Callable[[str], Tensor],
+    progress: Progress | None = None,
 ) -> int:
     """One safetensors file of `entries` (name, shape) in `dtype`, each tensor from `fetch(name)`;
-    returns the bytes of tensor data written."""
+    returns the bytes of tensor data written. `progress` advances by each tensor's bytes once written."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in entries:
@@ -72,24 +78,37 @@ def write_file(
                 raise ValueError(f"{name}: fetched shape {list(t.shape)}, expected {list(shape)}")
             f.write(t.reshape(-1).view(torch.uint8).numpy().data)
             del t
+            if progress is not None:
+                progress.advance(nbytes(shape, dtype))
         f.flush()
         os.fsync(f.fileno())
     return offset
 
 
 def write_model(
-    folder: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, fetch, max_bytes: int
+    folder: Path,
+    entries: list[tuple[str, tuple[int, ...]]],
+    dtype: torch.dtype,
+    fetch,
+    max_bytes: int,
+    desc: str | None = None,
 ) -> list[str]:
-    """The model's tensors into `folder`: model.safetensors, or shards with an index past `max_bytes`."""
+    """The model's tensors into `folder`: model.safetensors, or shards with an index past `max_bytes`.
+    `desc` names the progress (megabam/progress.py) of the bytes of tensors written of all of them."""
+    with Progress(desc or "", sum(nbytes(s, dtype) for _, s in entries), "B", True, enabled=desc is not None) as p:
+        return _write_model(folder, entries, dtype, fetch, max_bytes, p)
+
+
+def _write_model(folder: Path, entries, dtype: torch.dtype, fetch, max_bytes: int, progress: Progress) -> list[str]:
     groups = shard_names(entries, dtype, max_bytes)
     shapes = dict(entries)
     if len(groups) == 1:
-        write_file(folder / SINGLE, entries, dtype, fetch)
+        write_file(folder / SINGLE, entries, dtype, fetch, progress)
         return [SINGLE]
     names = [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
     total = 0
     for file, group in zip(names, groups):
-        total += write_file(folder / file, [(n, shapes[n]) for n in group], dtype, fetch)
+        total += write_file(folder / file, [(n, shapes[n]) for n in group], dtype, fetch, progress)
     weight_map = {n: file for file, group in zip(names, groups) for n in group}
     (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return [*names, INDEX]

@@ -8,6 +8,7 @@ import numpy as np
 from megabam.data.errors import DataError
 from megabam.data.shards import iter_mds_samples, read_index, verify_shards
 from megabam.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_in
+from megabam.progress import Progress
 
 
 @dataclass
@@ -54,28 +55,30 @@ def inspect_dataset(
 def _inspect_split(
     mds_dir: Path, tokenizer: Tokenizer | None, vocab: int | None, n_decoded: int, max_samples: int | None, top: int
 ) -> SplitReport:
-    n_shards = verify_shards(mds_dir)
+    n_shards = verify_shards(mds_dir, desc=f"inspect {mds_dir.name}: verifying")
     n_samples = sum(shard["samples"] for shard in read_index(mds_dir)["shards"])
+    to_read = n_samples if max_samples is None else min(n_samples, max_samples)
     counts = np.zeros(vocab or 1, dtype=np.int64)
     tokens = documents = 0
     lo, hi = None, None
     decoded = []
-    for i, sample in enumerate(iter_mds_samples(mds_dir, max_samples)):
-        ids = np.asarray(sample["tokens"], dtype=np.int64)
-        s_lo, s_hi = int(ids.min()), int(ids.max())
-        if vocab is not None and (s_hi >= vocab or s_lo < 0):
-            bad = s_hi if s_hi >= vocab else s_lo
-            raise DataError(mds_dir, None, f"sample {i} holds token id {bad}, outside the vocabulary of {vocab}")
-        lo = s_lo if lo is None else min(lo, s_lo)
-        hi = s_hi if hi is None else max(hi, s_hi)
-        if s_hi >= len(counts):
-            counts = np.pad(counts, (0, s_hi + 1 - len(counts)))
-        counts += np.bincount(ids, minlength=len(counts))
-        tokens += len(ids)
-        starts = sample["doc_starts"]
-        documents += len(starts) - 1 + (i == 0)  # segment 0 continues a document, except in sample 0
-        if tokenizer is not None and i < n_decoded:
-            decoded.append(tokenizer.decode(ids.tolist()))
+    with Progress(f"inspect {mds_dir.name}: reading", to_read, " samples") as report:
+        for i, sample in enumerate(report.iterate(iter_mds_samples(mds_dir, max_samples))):
+            ids = np.asarray(sample["tokens"], dtype=np.int64)
+            s_lo, s_hi = int(ids.min()), int(ids.max())
+            if vocab is not None and (s_hi >= vocab or s_lo < 0):
+                bad = s_hi if s_hi >= vocab else s_lo
+                raise DataError(mds_dir, None, f"sample {i} holds token id {bad}, outside the vocabulary of {vocab}")
+            lo = s_lo if lo is None else min(lo, s_lo)
+            hi = s_hi if hi is None else max(hi, s_hi)
+            if s_hi >= len(counts):
+                counts = np.pad(counts, (0, s_hi + 1 - len(counts)))
+            counts += np.bincount(ids, minlength=len(counts))
+            tokens += len(ids)
+            starts = sample["doc_starts"]
+            documents += len(starts) - 1 + (i == 0)  # segment 0 continues a document, except in sample 0
+            if tokenizer is not None and i < n_decoded:
+                decoded.append(tokenizer.decode(ids.tolist()))
     order = np.argsort(-counts, kind="stable")[:top]
     top_ids = (
         [(int(t), tokenizer.decode([t]) if tokenizer else None, counts[t] / tokens) for t in order if counts[t] > 0]

@@ -13,6 +13,7 @@ from pathlib import Path
 from megabam.data.errors import DataError
 from megabam.data.packing import PackedSample
 from megabam.data.streaming_import import import_streaming
+from megabam.progress import Progress
 
 COLUMNS = {"tokens": "ndarray:int32", "doc_starts": "ndarray:int32"}
 HASHES = ["sha1"]
@@ -138,33 +139,45 @@ def _inside(basename: str) -> bool:
     return len(parts) <= 2 and all(p and not p.startswith(".") and "\\" not in p for p in parts)
 
 
-def verify_shards(mds_dir: str | os.PathLike, hashes: bool = True) -> int:
+def verify_shards(mds_dir: str | os.PathLike, hashes: bool = True, desc: str | None = None) -> int:
     """Check every shard file of ``mds_dir`` against the size and hashes in its index.
 
     Checks the compressed file when the raw one is absent (as written), the raw one otherwise;
     ``hashes=False`` checks sizes only, without reading the files. Returns the number of shards;
-    raises DataError at the first missing, truncated or corrupted one.
+    raises DataError at the first missing, truncated or corrupted one. ``desc`` names the progress
+    (megabam/progress.py) of the bytes hashed.
     """
     mds_dir = Path(mds_dir)
     shards = read_index(mds_dir)["shards"]
+    files = []
     for shard in shards:
         info = shard["raw_data"]
         if not (mds_dir / info["basename"]).exists() and shard.get("zip_data"):
             info = shard["zip_data"]
-        path = mds_dir / info["basename"]
-        try:
-            size = path.stat().st_size
-        except OSError:
-            raise DataError(path, None, "shard file missing") from None
-        if size != info["bytes"]:
-            raise DataError(path, None, f"shard truncated or corrupted ({size} bytes, index says {info['bytes']})")
-        if not hashes:
-            continue
-        data = path.read_bytes()
-        for algo, want in info.get("hashes", {}).items():
-            if algo in hashlib.algorithms_available and hashlib.new(algo, data).hexdigest() != want:
-                raise DataError(path, None, f"shard corrupted ({algo} hash mismatch)")
+        files.append(info)
+    total = sum(info["bytes"] for info in files)
+    with Progress(desc or "", total, "B", binary=True, enabled=hashes and desc is not None) as report:
+        for info in files:
+            _verify_file(mds_dir, info, hashes)
+            report.advance(info["bytes"])
     return len(shards)
+
+
+def _verify_file(mds_dir: Path, info: dict, hashes: bool) -> None:
+    """One shard file (raw or compressed, ``info`` its entry in the index) against its size and hashes."""
+    path = mds_dir / info["basename"]
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise DataError(path, None, "shard file missing") from None
+    if size != info["bytes"]:
+        raise DataError(path, None, f"shard truncated or corrupted ({size} bytes, index says {info['bytes']})")
+    if not hashes:
+        return
+    data = path.read_bytes()
+    for algo, want in info.get("hashes", {}).items():
+        if algo in hashlib.algorithms_available and hashlib.new(algo, data).hexdigest() != want:
+            raise DataError(path, None, f"shard corrupted ({algo} hash mismatch)")
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from megabam.data.packing import PackedSample
 from megabam.data.passkey import passkey_training_tokens
 from megabam.data.shards import open_mds_writer, write_sample
 from megabam.data.tokenizer import Tokenizer, copy_tokenizer, load_tokenizer
+from megabam.progress import Progress
 
 KINDS = ("passkey", *(f"niah_{v}" for v in VARIANTS))
 
@@ -60,7 +61,7 @@ def write_synthetic_dataset(
     tokenizer = load_tokenizer(tokenizer_path)
     essay = Path(essay_path).read_text() if essay_path else None  # None: the essay variants' default prose
     rng = random.Random(seed)
-    with staged_output(out, overwrite) as tmp:
+    with staged_output(out, overwrite) as tmp, Progress("synth", n_train + n_val, " samples") as report:
         for split, n in (("train", n_train), ("val", n_val)):
             writer = open_mds_writer(tmp / split, compression=None)
             for _ in range(n):
@@ -70,6 +71,7 @@ def write_synthetic_dataset(
                 except ValueError as e:
                     raise DataError(None, "--seq-len", f"{kind} at {seq_len} tokens: {e}") from None
                 write_sample(writer, PackedSample(np.array(tokens, dtype=np.int32), np.zeros(1, dtype=np.int32)))
+                report.advance()
             writer.finish()
         copy_tokenizer(tokenizer, tmp)
         meta = {

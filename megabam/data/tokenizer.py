@@ -20,6 +20,7 @@ import sentencepiece as spm
 
 from megabam.data.errors import DataError
 from megabam.data.sources import read_json_object
+from megabam.progress import Progress
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SENTENCEPIECE_FILE, HF_FILE, HF_CONFIG = "tokenizer.model", "tokenizer.json", "tokenizer_config.json"
@@ -209,17 +210,13 @@ def train_tokenizer(
     ``special_tokens`` (user-defined pieces, never split). The vocabulary has exactly
     ``vocab_size`` pieces (sentencepiece raises if the text cannot fill it). ``max_sentences``
     > 0 trains on a random sample of that many lines (for corpora too large to hold in memory).
-    ``progress`` shows a bar of lines read.
+    ``progress`` shows the lines read (megabam/progress.py).
     """
     out_path = Path(out_path)
     prefix = out_path.parent / f".{out_path.name}.tmp-{uuid.uuid4().hex}"
-    lines = _lines(documents)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(lines, desc="tokenizer: reading", unit=" lines", unit_scale=True, disable=None)  # None: tty only
-        lines = iter(bar)
+    # the lines read (their number is not known before: the inputs are read as a stream)
+    report = Progress("tokenizer: reading", None, " lines", enabled=progress)
+    lines = report.iterate(_lines(documents))
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=lines,
@@ -246,8 +243,7 @@ def train_tokenizer(
         )
         os.replace(f"{prefix}.model", out_path)
     finally:
-        if bar is not None:
-            bar.close()
+        report.close()
         for suffix in (".model", ".vocab"):
             Path(f"{prefix}{suffix}").unlink(missing_ok=True)
     tokenizer = SentencePieceTokenizer(out_path)

@@ -79,8 +79,9 @@ def test_a_resharded_run_resumes_as_the_original_continues(tmp_path, data_cache,
     before = digests(ckpt)
     out = tmp_path / "resharded"
     assert main(["convert", "reshard", str(ckpt), str(out), *CASES[case][1]]) == 0
-    report = capsys.readouterr().out
+    report, err = capsys.readouterr()
     assert "Adam moments and step 3" in report
+    assert f"reshard: building data 1 × pipeline {CASES[case][1][3]} × tensor 1 on " in err, err  # progress note
     assert digests(ckpt) == before
 
     nproc = CASES[case][2]
