@@ -11,6 +11,7 @@ import torch
 
 from megabam.eval.figures import contrast, draw_bucket_plot, draw_heatmap, save
 from megabam.eval.plots import draw_attention, draw_training, read_metrics
+from megabam.train.plot import draw_loss
 
 matplotlib.use("Agg")
 
@@ -180,3 +181,12 @@ def test_each_format_writes_a_file_of_its_kind(tmp_path, fmt, magic):
     head = out.read_bytes()[:400]
     assert out.suffix == f".{fmt}" and (head.startswith(magic) or magic in head)
     assert [p.name for p in tmp_path.iterdir()] == [f"heatmap.{fmt}"]  # the temporary name is gone
+
+
+@pytest.mark.parametrize("steps", [1, 600])
+def test_the_runs_loss_figure_fits_its_canvas_with_its_legend_off_the_curves(tmp_path, steps):
+    run = tmp_path / ("a_run_directory_with_a_long_name_" * 3)
+    run.mkdir()
+    rows = [{"step": s, "loss": 7.0 - s / 100} for s in range(1, steps + 1)] + [{"step": steps, "val_loss": 6.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    check(draw_loss(run / "metrics.jsonl"))
