@@ -30,6 +30,11 @@ class NothingToPlot(UserError):
 
 
 def plot_priors(trained: Trained, out: Path, max_distance: int | None = None) -> Path:
+    return save(draw_priors(trained, max_distance), out)
+
+
+def draw_priors(trained: Trained, max_distance: int | None = None):
+    """Each attention layer's log-prior per head over the distance to the key (log scale)."""
     from matplotlib.lines import Line2D
 
     layers = [(i, b.mixer) for i, b in enumerate(trained.model.blocks) if getattr(b.mixer, "prior", None) is not None]
@@ -59,7 +64,7 @@ def plot_priors(trained: Trained, out: Path, max_distance: int | None = None) ->
     fig.legend(handles=[line], loc="outside lower center", fontsize=8)
     title = f"learned priors, {trained.run_dir.name} @ step {trained.meta.step}"
     fig.suptitle(wrap(title, fig.get_figwidth(), 10), fontsize=10)
-    return save(fit(fig), out)
+    return fit(fig)
 
 
 def passkey_prompt(trained: Trained, n_tokens: int) -> tuple[list[int], dict[str, int]]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megabam.eval.figures import contrast, draw_bucket_plot, draw_heatmap, save
-from megabam.eval.plots import draw_attention, draw_training, read_metrics
+from megabam.eval.plots import draw_attention, draw_priors, draw_training, read_metrics
 from megabam.train.plot import draw_loss
 
 matplotlib.use("Agg")
@@ -190,3 +190,21 @@ def test_the_runs_loss_figure_fits_its_canvas_with_its_legend_off_the_curves(tmp
     rows = [{"step": s, "loss": 7.0 - s / 100} for s in range(1, steps + 1)] + [{"step": steps, "val_loss": 6.5}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     check(draw_loss(run / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("layers, heads", [(1, 1), (6, 16)])
+def test_the_priors_figure_fits_its_canvas(tmp_path, layers, heads):
+    from types import SimpleNamespace
+
+    from megabam.config import load_config
+    from megabam.model import Decoder
+
+    overrides = [f"model.n_layers={layers}", f"model.n_heads={heads}", "model.d_model=64"]
+    cfg = load_config(None, [*overrides, "model.attention.bam.init=spread"])
+    trained = SimpleNamespace(
+        model=Decoder(cfg.model),
+        config=cfg,
+        run_dir=tmp_path / LONG_TITLE.replace(" ", "_"),
+        meta=SimpleNamespace(step=7),
+    )
+    check(draw_priors(trained))
