@@ -26,6 +26,7 @@ from megabam import exit_codes
 from megabam.config import load_config
 from megabam.errors import BadArgument
 from megabam.parallel.layout import check_world
+from megabam.staging import write_text
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHERS = ("local", "deepspeed", "mpirun", "slurm")
@@ -76,10 +77,7 @@ def run_launch(args) -> int:
     if script is not None:
         path, text = script
         Path(args.log_root).mkdir(parents=True, exist_ok=True)  # sbatch writes the batch log there at once
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        write_text(path, text)
     print("running: " + " ".join([*shown, shlex.join(cmd)]), flush=True)
     return run_passing_signals(cmd, {**os.environ, **env})
 

@@ -88,8 +88,8 @@ def _inspect(args) -> list[str]:
 
 
 def _max_bytes(args) -> int:
-    from megabam.convert.output import OutputError
     from megabam.convert.safetensors_out import parse_size
+    from megabam.staging import OutputError
 
     try:
         return parse_size(args.max_shard_size)

@@ -21,11 +21,11 @@ from safetensors import SafetensorError
 
 from megabam.config import Config, ConfigError, load_config
 from megabam.config.loader import save_config
-from megabam.convert.output import check_output, output_folder
 from megabam.convert.reader import CheckpointReader
 from megabam.convert.safetensors_out import read_model, weight_files, write_model
 from megabam.data.tokenizer import copy_tokenizer, load_tokenizer, tokenizer_in
 from megabam.model import Decoder
+from megabam.staging import check_output, staged_folder
 from megabam.train.checkpoint import META_FILE, CheckpointError, CheckpointMeta
 
 MARKER = "consolidated.json"
@@ -44,7 +44,7 @@ def consolidate(
     reader.check()
     tokenizer = reader.tokenizer_path()
     entries = list(reader.shapes.items())
-    with output_folder(out) as tmp:
+    with staged_folder(out, replace=overwrite) as tmp:
         files = write_model(tmp, entries, DTYPES[dtype], reader.tensor, max_shard_bytes, desc="consolidate")
         save_config(reader.config, tmp / "config.yaml")
         copy_tokenizer(load_tokenizer(tokenizer), tmp)

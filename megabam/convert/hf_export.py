@@ -20,7 +20,6 @@ import torch
 
 from megabam.config.loader import save_config
 from megabam.convert.consolidate import DTYPES
-from megabam.convert.output import check_output, output_folder
 from megabam.convert.reader import CheckpointReader
 from megabam.convert.safetensors_out import write_model
 from megabam.data.tokenizer import (
@@ -35,6 +34,7 @@ from megabam.data.tokenizer import (
     load_tokenizer,
 )
 from megabam.progress import note
+from megabam.staging import check_output, staged_folder
 from megabam.train.checkpoint import META_FILE
 
 PACKAGE = Path(__file__).resolve().parents[1]  # megabam/
@@ -171,7 +171,7 @@ def to_hf(
     tokenizer = load_tokenizer(reader.tokenizer_path())
     bundled = bundle()
     entries = [(PREFIX + name, shape) for name, shape in reader.shapes.items()]
-    with output_folder(out) as tmp:
+    with staged_folder(out, replace=overwrite) as tmp:
         fetch = lambda name: reader.tensor(name[len(PREFIX) :])  # noqa: E731
         files = write_model(tmp, entries, DTYPES[dtype], fetch, max_shard_bytes, desc="to-hf")
         for name, text in bundled.items():

@@ -22,11 +22,11 @@ from megabam.config import Config, ConfigError, load_config
 from megabam.config.loader import save_config
 from megabam.convert.consolidate import FORMAT, MARKER, Consolidated
 from megabam.convert.hf_export import CONFIG_FILE, PREFIX
-from megabam.convert.output import check_output, output_folder
 from megabam.convert.safetensors_out import read_model, weight_files, write_model
 from megabam.data.errors import DataError
 from megabam.data.tokenizer import copy_tokenizer, load_tokenizer, tokenizer_in
 from megabam.model import Decoder
+from megabam.staging import check_output, staged_folder
 from megabam.train.checkpoint import META_FILE, CheckpointError, CheckpointMeta
 
 
@@ -80,7 +80,7 @@ def from_hf(folder: Path, out: Path, overwrite: bool = False) -> list[str]:
         if found != shape:
             raise CheckpointError(folder, None, f"{name} would have shape {list(found)}, the model {list(shape)}")
     dtype = source.fetch(next(iter(shapes))).dtype
-    with output_folder(out) as tmp:
+    with staged_folder(out, replace=overwrite) as tmp:
         files = write_model(tmp, list(shapes.items()), dtype, source.fetch, 5 * 10**9, desc="from-hf")
         save_config(source.config, tmp / "config.yaml")
         copied = copy_tokenizer(tokenizer, tmp).name if tokenizer is not None else ""

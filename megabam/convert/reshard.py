@@ -29,13 +29,13 @@ import torch
 
 from megabam.config.loader import config_from_dict, save_config
 from megabam.convert.optimizer_state import KINDS, OptimizerState
-from megabam.convert.output import check_output, output_folder
 from megabam.convert.reader import CheckpointReader
 from megabam.data.tokenizer import copy_tokenizer, load_tokenizer
 from megabam.errors import BadArgument
 from megabam.parallel.layout import ParallelLayout
 from megabam.parallel.pipeline_layers import shard_identity
 from megabam.progress import Progress, note
+from megabam.staging import check_output, staged_folder
 from megabam.train.checkpoint import CheckpointError, checkpoint_root, list_tags
 
 SOURCE = "<reshard>"
@@ -104,7 +104,7 @@ def reshard(
         if not (reader.path / f"rng_rank{rank:05d}.json").is_file():
             raise CheckpointError(reader.path / f"rng_rank{rank:05d}.json", None, f"missing (rank {rank}'s RNG state)")
     world = tp * pp * dp
-    with output_folder(out) as tmp:
+    with staged_folder(out, replace=overwrite) as tmp:
         save_config(config_from_dict(raw, SOURCE), tmp / "config.yaml")
         copied = copy_tokenizer(load_tokenizer(tokenizer), tmp)
         metrics = reader.run_dir / "metrics.jsonl"

@@ -13,7 +13,6 @@ import random
 import shutil
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from megabam.data.packing import PackedSample, pack_documents
 from megabam.data.passkey import passkey_training_tokens
 from megabam.data.shards import write_mds
 from megabam.data.tokenizer import train_tokenizer
+from megabam.staging import staged_name
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def build_default_dataset(
     final = Path(cache_root) / f"default-{digest}"
     if not final.exists():
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex}"
+        tmp = staged_name(final)
         try:
             write_default_dataset(
                 tmp, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed, passkey_min_tokens

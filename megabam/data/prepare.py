@@ -30,19 +30,18 @@ import random
 import shutil
 import sys
 import time
-import uuid
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from megabam.data.errors import DataError
-from megabam.data.output_dir import check_output
 from megabam.data.packing import Packer
 from megabam.data.shards import open_mds_writer, verify_shards, write_sample
 from megabam.data.sources import SourceStats, consecutive_groups, expand_inputs, pieces, read_documents
 from megabam.data.tokenizer import copy_tokenizer, load_tokenizer, open_tokenizer
 from megabam.progress import Progress
+from megabam.staging import check_output, is_staged, staged_name, write_text
 
 SPLITS = ("train", "val")
 # Fewer validation samples than this draws a warning: one evaluation of the trainer's defaults
@@ -238,7 +237,7 @@ def _publish_plan(staging: Path, plan: dict) -> None:
     """Create ``staging`` with its plan, or check that the plan already there is the same."""
     staging.mkdir(parents=True, exist_ok=True)
     path = staging / PLAN
-    tmp = staging / f".{PLAN}.{uuid.uuid4().hex}"
+    tmp = staged_name(path)
     tmp.write_text(json.dumps(plan, indent=1))
     try:
         os.link(tmp, path)  # create-if-absent in one step: shards starting together agree on one plan
@@ -387,9 +386,10 @@ def run_task(task: _Task, file_done) -> PrepareSummary:
     start = time.perf_counter()
     for split in SPLITS:  # what a killed run of this task left
         for stale in (staging / split).glob(f".{name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            if is_staged(stale):
+                shutil.rmtree(stale, ignore_errors=True)
         shutil.rmtree(staging / split / name, ignore_errors=True)
-    tmp = {split: staging / split / f".{name}.tmp-{uuid.uuid4().hex}" for split in SPLITS}
+    tmp = {split: staged_name(staging / split / name) for split in SPLITS}
     writers = {split: open_mds_writer(tmp[split], s["compression"], s["size_limit"]) for split in SPLITS}
     packers = {split: Packer(sample_len, tokenizer.eos_id) for split in SPLITS}
     rng = random.Random(f"{s['seed']}/{task.index}")  # a task's split draws: independent of who runs it
@@ -444,9 +444,8 @@ def run_task(task: _Task, file_done) -> PrepareSummary:
     summary.seconds = time.perf_counter() - start
     (staging / DONE).mkdir(exist_ok=True)
     marker = staging / DONE / f"{name}.json"
-    part = marker.with_name(f".{marker.name}.{uuid.uuid4().hex}")
-    part.write_text(json.dumps({"tokenizer_sha1": _sha1(task.tokenizer), "summary": asdict(summary)}))
-    os.replace(part, marker)  # last: the task is done only once all of it is on disk
+    # last: the task is done only once all of it is on disk
+    write_text(marker, json.dumps({"tokenizer_sha1": _sha1(task.tokenizer), "summary": asdict(summary)}))
     return summary
 
 
@@ -513,7 +512,7 @@ def merge_prepared(
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(staging / DONE)
         (staging / PLAN).unlink()
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex}"
+        old = staged_name(out)
         if out.exists():  # overwrite: the old dataset goes only once the new one is whole
             os.rename(out, old)
         os.rename(staging, out)

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from megabam.data.errors import DataError
 from megabam.data.packing import PackedSample
 from megabam.data.streaming_import import import_streaming
 from megabam.progress import Progress
+from megabam.staging import staged_name
 
 COLUMNS = {"tokens": "ndarray:int32", "doc_starts": "ndarray:int32"}
 HASHES = ["sha1"]
@@ -70,7 +70,7 @@ def write_mds(
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise ValueError(f"refusing to write MDS shards into existing path {out_dir}")
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex}"
+    tmp_dir = staged_name(out_dir)
     writer = open_mds_writer(tmp_dir, compression, size_limit)
     count = 0
     try:

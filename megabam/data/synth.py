@@ -13,12 +13,12 @@ import numpy as np
 
 from megabam.data.errors import DataError
 from megabam.data.niah import VARIANTS, niah_sample
-from megabam.data.output_dir import staged_output
 from megabam.data.packing import PackedSample
 from megabam.data.passkey import passkey_training_tokens
 from megabam.data.shards import open_mds_writer, write_sample
 from megabam.data.tokenizer import Tokenizer, copy_tokenizer, load_tokenizer
 from megabam.progress import Progress
+from megabam.staging import check_output, staged_folder
 
 KINDS = ("passkey", *(f"niah_{v}" for v in VARIANTS))
 
@@ -61,7 +61,8 @@ def write_synthetic_dataset(
     tokenizer = load_tokenizer(tokenizer_path)
     essay = Path(essay_path).read_text() if essay_path else None  # None: the essay variants' default prose
     rng = random.Random(seed)
-    with staged_output(out, overwrite) as tmp, Progress("synth", n_train + n_val, " samples") as report:
+    check_output(Path(out), overwrite)
+    with staged_folder(Path(out), replace=overwrite) as tmp, Progress("synth", n_train + n_val, " samples") as report:
         for split, n in (("train", n_train), ("val", n_val)):
             writer = open_mds_writer(tmp / split, compression=None)
             for _ in range(n):

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import sentencepiece as spm
 from megabam.data.errors import DataError
 from megabam.data.sources import read_json_object
 from megabam.progress import Progress
+from megabam.staging import staged_name
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SENTENCEPIECE_FILE, HF_FILE, HF_CONFIG = "tokenizer.model", "tokenizer.json", "tokenizer_config.json"
@@ -213,7 +213,7 @@ def train_tokenizer(
     ``progress`` shows the lines read (megabam/progress.py).
     """
     out_path = Path(out_path)
-    prefix = out_path.parent / f".{out_path.name}.tmp-{uuid.uuid4().hex}"
+    prefix = staged_name(out_path)  # sentencepiece writes PREFIX.model and PREFIX.vocab
     # the lines read (their number is not known before: the inputs are read as a stream)
     report = Progress("tokenizer: reading", None, " lines", enabled=progress)
     lines = report.iterate(_lines(documents))

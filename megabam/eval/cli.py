@@ -7,8 +7,6 @@ half file).
 """
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from megabam.data.niah import VARIANTS
 from megabam.errors import BadArgument
 from megabam.eval.figures import FORMATS
 from megabam.progress import Progress, note
+from megabam.staging import write_json
 
 
 def add_eval_parser(sub) -> None:
@@ -262,14 +261,6 @@ def _load(args):
     return trained, out, trained.tag
 
 
-def _write_json(path: Path, data: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
 def _passkey(args) -> list[str]:
     from megabam.eval.figures import heatmap
     from megabam.eval.generate import predict_next
@@ -294,7 +285,7 @@ def _passkey(args) -> list[str]:
             progress,
         )
     data = {"checkpoint": str(trained.checkpoint), "step": trained.meta.step, "train_length": seq_len, **grid.to_json()}
-    json_path = _write_json(out / f"passkey-{tag}.json", data)
+    json_path = write_json(out / f"passkey-{tag}.json", data)
     title = f"passkey retrieval, {trained.run_dir.name} @ step {trained.meta.step} (trained at {seq_len})"
     figure = heatmap(grid.accuracy(), lengths, args.depths, title, out / f"passkey-{tag}{_figure_suffix(args)}")
     return [
@@ -341,7 +332,7 @@ def _niah(args) -> list[str]:
         lines += [*grid.table(), str(figure), ""]
     progress.close()
     data = {"checkpoint": str(trained.checkpoint), "step": trained.meta.step, "train_length": seq_len, "tasks": results}
-    return [*lines, str(_write_json(out / f"niah-{tag}.json", data))]
+    return [*lines, str(write_json(out / f"niah-{tag}.json", data))]
 
 
 def _ppl(args) -> list[str]:
@@ -369,7 +360,7 @@ def _ppl(args) -> list[str]:
         "train_length": seq_len,
         **report.to_json(),
     }
-    json_path = _write_json(out / f"ppl-{tag}.json", data)
+    json_path = write_json(out / f"ppl-{tag}.json", data)
     title = f"loss by position, {trained.run_dir.name} @ step {trained.meta.step}, sequences of {length}"
     figure = out / f"ppl-{tag}{_figure_suffix(args)}"
     bucket_plot(report.buckets, report.bucket_tokens(), title, figure, seq_len)

@@ -7,6 +7,8 @@ and legend on the canvas, checked by tests/unit/test_figures.py) and written by 
 import textwrap
 from pathlib import Path
 
+from megabam.staging import staged_path
+
 FORMATS = ("png", "pdf", "svg")
 
 
@@ -23,12 +25,11 @@ def pyplot():
 def save(fig, out: Path) -> Path:
     """Write `fig` to `out`, in the format its suffix names (.png, .pdf, .svg), through a temporary
     name, so a reader never sees half a file."""
-    plt = pyplot()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.stem + ".tmp" + out.suffix)
-    fig.savefig(tmp, dpi=100, format=out.suffix[1:])
-    plt.close(fig)
-    tmp.rename(out)
+    try:
+        with staged_path(out) as tmp:
+            fig.savefig(tmp, dpi=100, format=out.suffix[1:])
+    finally:
+        pyplot().close(fig)
     return out
 
 

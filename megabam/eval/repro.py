@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megabam.progress import Progress
+from megabam.staging import write_json
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -232,10 +233,7 @@ def reproduce(
             if not trained_before:
                 train_run(study, arm, seed, out, [*overrides, f"train.steps={steps}"], log, steps)
             result = evaluate_run(run_dir, multiples, depths, trials, study.niah)
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            partial = cached.with_suffix(".json.partial")  # a kill mid-write leaves no torn result
-            partial.write_text(json.dumps(result, indent=1) + "\n")
-            os.replace(partial, cached)
+            write_json(cached, result)  # a kill mid-write leaves no torn result
             what = "evaluated" if trained_before else "trained and evaluated"
             if name == "bam" and (run_dir / "metrics.jsonl").is_file():
                 plot_training(run_dir, out / "plots" / f"{run_name(arm, seed)}-training.png")

@@ -33,6 +33,7 @@ import xxhash
 
 from megabam.errors import UserError
 from megabam.parallel.pipeline_layers import SHARD_KEY, identity_problem
+from megabam.staging import write_json, write_text
 from megabam.train import rng
 
 META_FILE = "megabam.json"
@@ -144,9 +145,9 @@ def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int, shard: dict) ->
         # `shard` (this rank's place in the layout) goes into the engine's own model-states file, so a
         # file copied over another rank's is told apart on read even when a manifest vouches for it.
         engine.save_checkpoint(str(root), tag=tmp.name, client_state={SHARD_KEY: shard}, save_latest=False)
-        write_json(tmp / f"rng_rank{rank:05d}.json", rng.capture())
+        write_json(tmp / f"rng_rank{rank:05d}.json", rng.capture(), fsync=True)
         if rank == 0:
-            _write_text_atomic(tmp / META_FILE, meta.to_json())
+            write_text(tmp / META_FILE, meta.to_json(), fsync=True)
             # DeepSpeed copies its recovery scripts beside the checkpoints at every save; zero_to_fp32.py
             # unpickles with weights_only=False. `megabam convert consolidate` reads these checkpoints.
             for script in DEEPSPEED_SCRIPTS:
@@ -163,10 +164,10 @@ def save(engine, run_dir: Path, meta: CheckpointMeta, keep: int, shard: dict) ->
     if rank == 0:
         try:
             manifest = {name: d for part in gathered for name, d in part.items()}
-            write_json(tmp / MANIFEST_FILE, {"files": manifest})
+            write_json(tmp / MANIFEST_FILE, {"files": manifest}, fsync=True)
             _fsync_dir(tmp)
             os.rename(tmp, root / tag)
-            _write_text_atomic(root / "latest", tag)
+            write_text(root / "latest", tag, fsync=True)
         except OSError as e:
             failure = e
     _all_written(failure, root, tag, engine.device)
@@ -302,20 +303,6 @@ def _digest(path: Path) -> dict:
         while chunk := f.read(1 << 23):
             h.update(chunk)
     return {"bytes": path.stat().st_size, "xxh3_128": h.hexdigest()}
-
-
-def write_json(path: Path, data) -> None:
-    """``data`` as JSON at ``path``, whole or not at all (temporary file, fsync, rename)."""
-    _write_text_atomic(path, json.dumps(data, indent=1))
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:

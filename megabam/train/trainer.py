@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megabam import exit_codes
+from megabam import exit_codes, staging
 from megabam.config import Config, ConfigError, save_config
 from megabam.config.schema import expand_pattern
 from megabam.data.errors import DataError
@@ -613,7 +613,7 @@ class Trainer:
             passkey_plot=str(passkey_plot) if passkey_plot else None,
         )
         if self.rank == 0:  # what a start of the finished run reports instead of training
-            checkpoint.write_json(self.run_dir / SUMMARY_FILE, asdict(summary))
+            staging.write_json(self.run_dir / SUMMARY_FILE, asdict(summary))
         return summary
 
     def close(self) -> None:

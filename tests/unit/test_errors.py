@@ -9,12 +9,12 @@ import pytest
 import megabam.cli
 from megabam.cli import main
 from megabam.config import ConfigError
-from megabam.convert.output import OutputError
 from megabam.data.errors import DataError
 from megabam.data.passkey import PromptTooShort
 from megabam.data.prepare import WorkerLost
 from megabam.errors import BadArgument, LaunchError, UserError
 from megabam.eval.plots import NothingToPlot
+from megabam.staging import OutputError
 from megabam.train.checkpoint import CheckpointError, NewerMeta
 from megabam.train.run_lock import RunDirError
 
