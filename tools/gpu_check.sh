@@ -7,7 +7,7 @@
 #
 # The GPU image has torch, triton and transformers but not DeepSpeed, streaming or their needs, and
 # no package index: prepare .gpu/ here first (cp312 wheels, pure-Python ones built here), see
-# docs/benchmarks.md "Triton kernels on the GPU". Only the wheels whose module the image lacks are
+# docs/benchmarks.md "GPU kernels". Only the wheels whose module the image lacks are
 # installed. Everything printed also goes to $OUT/gpu_check.log.
 #
 # GPU_CHECK_BENCH=0 skips the benchmark; GPU_CHECK_TRAIN names the trainings (bam, swax; 0: none).

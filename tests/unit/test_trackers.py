@@ -2,7 +2,10 @@
 reader, and wandb's entity, group, tags, name and resume id in an offline run (the trainer's path is
 tests/e2e/test_train.py's test_tensorboard_events)."""
 
+import struct
+import time
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -63,6 +66,27 @@ def test_tensorboard_off_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
+def wandb_records(path: Path) -> list:
+    """The protobuf records of a .wandb file: LevelDB's log format (32 KiB blocks; each fragment a
+    7-byte header: crc, length, kind) after a 7-byte file header. Read here: wandb 0.31 ships no reader."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data, block, pos, records, parts = path.read_bytes(), 32768, 7, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last fragment of one
+            record = Record()
+            record.ParseFromString(parts)
+            records.append(record)
+            parts = b""
+    return records
+
+
 def test_wandb_entity_group_tags_name_and_resume_offline(tmp_path):
     wandb_keys = [
         "logging.wandb_mode=offline",
@@ -79,10 +103,16 @@ def test_wandb_entity_group_tags_name_and_resume_offline(tmp_path):
         "megabam-name",
     )
     first.close()
-    # What `wandb sync` uploads: the run record in the offline run's file.
+    # What `wandb sync` uploads: the run record in the offline run's file (written by wandb's service
+    # process, so looked for until it is there).
     [record] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    data = record.read_bytes()
-    assert all(s in data for s in (b"megabam-entity", b"megabam-group", b"bam-tag", b"ssmax-tag", b"megabam-name"))
+    deadline, runs = time.monotonic() + 20, []
+    while not runs and time.monotonic() < deadline:
+        runs = [r.run for r in wandb_records(record) if r.WhichOneof("record_type") == "run"]
+        time.sleep(0.1)
+    assert [(r.entity, r.run_group, list(r.tags), r.display_name) for r in runs] == [
+        ("megabam-entity", "megabam-group", ["bam-tag", "ssmax-tag"], "megabam-name")
+    ], [r.WhichOneof("record_type") for r in wandb_records(record)]
 
     # A resumed run continues the checkpoint's wandb run; without wandb_name it is named after run.name.
     resumed = run_logger(tmp_path, *wandb_keys, "run.name=megabam-run", start_step=2, wandb_id=run.id)
