@@ -13,12 +13,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-WITH_TEST_CLUSTER=0
 for arg in "$@"; do
-  case $arg in
-    --with-test-cluster) WITH_TEST_CLUSTER=1 ;;
-    *) echo "install.sh: unknown option $arg (known: --with-test-cluster)" >&2; exit 2 ;;
-  esac
+  [[ $arg == --with-test-cluster ]] || { echo "install.sh: unknown option $arg (known: --with-test-cluster)" >&2; exit 2; }
 done
 
 if [[ -n "${MEGABAM_PYTHON:-}" ]]; then
@@ -40,26 +36,7 @@ CONSTRAINTS=$ROOT/.cache/constraints.txt
 echo "$TORCH_PIN" > "$CONSTRAINTS"
 export PIP_CONSTRAINT=$CONSTRAINTS
 
-# OpenMPI (launch/mpirun.sh, and mpi4py, which builds against it) and Slurm with munge (the launcher
-# tests' real one-node cluster) are system packages: installed only when asked, with --with-test-cluster
-# (as root, through apt-get; .ci/run passes it). Without them everything but those launchers works, and
-# their tests are skipped, saying why.
-if [[ $WITH_TEST_CLUSTER == 1 ]]; then
-  packages=()
-  command -v mpicc >/dev/null || packages+=(libopenmpi-dev openmpi-bin)
-  [[ -x /usr/sbin/slurmctld ]] || command -v slurmctld >/dev/null || packages+=(slurm-wlm munge)
-  if ((${#packages[@]})); then
-    if [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null; then
-      echo "install.sh: --with-test-cluster installs ${packages[*]} with apt-get, as root; install them yourself" >&2
-      exit 1
-    fi
-    echo "install.sh: --with-test-cluster: apt-get install ${packages[*]}"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null
-  fi
-elif ! command -v mpicc >/dev/null; then
-  echo "install.sh: no MPI here: mpi4py not installed, so launch/mpirun.sh cannot run (install OpenMPI, or" \
-    "run with --with-test-cluster as root); every other launcher works" >&2
-fi
+bash tools/system_packages.sh "$@"
 
 "${PIP[@]}" -r tools/requirements-cpu.txt
 if command -v mpicc >/dev/null; then "${PIP[@]}" "mpi4py>=4"; fi
