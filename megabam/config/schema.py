@@ -225,6 +225,14 @@ class ModelConfig:
         period = expand_pattern(self.layer_pattern)
         return period * (self.n_layers // len(period))
 
+    def sinusoidal_positions(self) -> bool:
+        """Whether sinusoidal positions are added to the embeddings: an attention section the layers use
+        (`attention`, `swa`) asks for them, and then they serve every layer."""
+        used = set(self.layer_types())
+        return any(
+            getattr(self, section).positional == "sinusoidal" for section in ("attention", "swa") if section in used
+        )
+
     def check(self, require: Require, key: str) -> None:
         """The model's own rules; the mixer sections are checked where the pattern uses them (the
         attention section always)."""

@@ -6,7 +6,6 @@ op itself (kernels/bam_attention.py) tiles over query blocks, evaluates the prio
 a window, touches only the key tiles the window reaches, so no N×N tensor exists and SWA costs N·w.
 """
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -15,19 +14,10 @@ from torch import nn
 from megabam.config.schema import AttentionConfig, ModelConfig
 from megabam.kernels.bam_attention import dense_bam_attention, dense_bam_weights
 from megabam.kernels.dispatch import attention
+from megabam.model.layers import SequenceInfo
 from megabam.model.positional import AlibiPrior, BamPrior, apply_rope, rope_rotation
 from megabam.model.registry import register_mixer
 from megabam.model.sharding import TensorParallelPlan
-
-
-@dataclass
-class SequenceInfo:
-    """What every mixer may need to know about the batch besides the activations."""
-
-    doc_ids: torch.Tensor | None = None  # (B, N) document index per position, for document-aware masking
-    # Per-call window of the sliding-window (`swa`) layers, set each step from the window sampler;
-    # None = their configured model.swa.window. Full attention layers never take it.
-    window: int | None = None
 
 
 class KVCache(NamedTuple):

@@ -16,8 +16,7 @@ from torch import Tensor, nn
 from megabam.config.schema import ModelConfig
 from megabam.kernels.gated_deltanet import gated_delta_chunkwise, gated_delta_recurrent
 from megabam.kernels.precision import compute_dtype
-from megabam.model.attention import SequenceInfo
-from megabam.model.layers import head_rms_norm
+from megabam.model.layers import SequenceInfo, head_rms_norm
 from megabam.model.registry import register_mixer
 from megabam.model.sharding import TensorParallelPlan
 

@@ -1,4 +1,7 @@
-"""Blocks shared by every mixer: RMS normalisation (whole vectors and per head) and the SwiGLU MLP."""
+"""What every mixer shares: the batch's sequence information, RMS normalisation (whole vectors and per
+head) and the SwiGLU MLP."""
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -7,6 +10,16 @@ from torch import nn
 from megabam.kernels import dispatch
 from megabam.kernels.precision import compute_dtype
 from megabam.model.sharding import TensorParallelPlan
+
+
+@dataclass
+class SequenceInfo:
+    """What every mixer may need to know about the batch besides the activations."""
+
+    doc_ids: torch.Tensor | None = None  # (B, N) document index per position, for document-aware masking
+    # Per-call window of the sliding-window (`swa`) layers, set each step from the window sampler;
+    # None = their configured model.swa.window. Full attention layers never take it.
+    window: int | None = None
 
 
 class RMSNorm(nn.Module):

@@ -16,8 +16,7 @@ from megabam.config.schema import ModelConfig
 from megabam.kernels import dispatch
 from megabam.kernels.mlstm import MLstmState, mlstm_recurrent
 from megabam.kernels.precision import compute_dtype
-from megabam.model.attention import SequenceInfo
-from megabam.model.layers import head_rms_norm
+from megabam.model.layers import SequenceInfo, head_rms_norm
 from megabam.model.registry import register_mixer
 from megabam.model.sharding import TensorParallelPlan
 

@@ -16,8 +16,7 @@ from megabam.kernels.linear_cross_entropy import linear_cross_entropy
 
 # The mixer modules register their builders in MIXERS when imported.
 from megabam.model import attention, gated_deltanet, mlstm  # noqa: F401
-from megabam.model.attention import SequenceInfo
-from megabam.model.layers import RMSNorm, SwiGLU
+from megabam.model.layers import RMSNorm, SequenceInfo, SwiGLU
 from megabam.model.positional import SinusoidalPositions
 from megabam.model.registry import MIXERS
 
@@ -105,9 +104,7 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.output = VocabOutput(cfg.logit_soft_cap)
-        # Sinusoidal positions are added to the embeddings, so they serve every layer when any attention
-        # section in use asks for them.
-        self.sinusoidal = any(getattr(b.mixer, "positional", None) == "sinusoidal" for b in self.blocks)
+        self.sinusoidal = cfg.sinusoidal_positions()
         self.positions = SinusoidalPositions()
         self._init_weights()
 

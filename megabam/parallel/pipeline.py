@@ -27,7 +27,7 @@ from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import ProcessTopology
 from torch import Tensor, nn
 
-from megabam.model.attention import SequenceInfo
+from megabam.model.layers import SequenceInfo
 from megabam.model.transformer import Block, Decoder, VocabOutput
 from megabam.parallel.pipeline_layers import (
     EMBEDDING_KEY,

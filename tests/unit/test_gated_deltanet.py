@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from megabam.config import load_config
 from megabam.kernels.gated_deltanet import gated_delta_chunkwise, gated_delta_recurrent
-from megabam.model.attention import SequenceInfo
 from megabam.model.gated_deltanet import GatedDeltaNet
+from megabam.model.layers import SequenceInfo
 
 B, H, N, DK, DV = 2, 3, 13, 4, 5
 

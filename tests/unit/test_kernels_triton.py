@@ -309,7 +309,8 @@ def ops(monkeypatch):
 
 def test_model_kernels_config_reaches_the_mixer(ops):
     from megabam.config import ConfigError, load_config
-    from megabam.model.attention import SequenceInfo, build_attention
+    from megabam.model.attention import build_attention
+    from megabam.model.layers import SequenceInfo
 
     with pytest.raises(ConfigError, match="model.kernels: 'gpu' is not one of auto, triton, reference"):
         load_config(None, ["model.kernels=gpu"])

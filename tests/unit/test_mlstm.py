@@ -9,7 +9,7 @@ import torch
 
 from megabam.config import load_config
 from megabam.kernels.mlstm import mlstm_chunkwise, mlstm_parallel, mlstm_recurrent
-from megabam.model.attention import SequenceInfo
+from megabam.model.layers import SequenceInfo
 from megabam.model.mlstm import MLstm
 
 EPS = 1e-6

@@ -188,7 +188,7 @@ def test_mixer_with_triton_kernels_matches_reference(ops):
     """The MLstm mixer built with model.kernels = triton runs the kernel (under the interpreter) and
     gives the reference's output and parameter gradients (fp32; tolerance 1e-4 relative)."""
     from megabam.config import load_config
-    from megabam.model.attention import SequenceInfo
+    from megabam.model.layers import SequenceInfo
     from megabam.model.mlstm import MLstm
 
     results = []

@@ -179,3 +179,22 @@ def test_grouped_query_attention_equals_full_attention_with_shared_kv_weights(kv
     for g, w in zip(got[1:], want[1:]):
         summed = w.view(kv_heads, group, D, 32).sum(1).reshape(kv_heads * D, 32)
         torch.testing.assert_close(g, summed, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.attention.positional=sinusoidal"],  # full attention asks for them
+        ["model.layer_pattern=[SM]", "model.attention.positional=sinusoidal"],  # asked by a section not in use
+        ["model.layer_pattern=[SM]", "model.swa.positional=sinusoidal"],
+        ["model.layer_pattern=[AM]", "model.swa.positional=sinusoidal"],
+        [],
+    ],
+)
+def test_the_config_says_whether_the_embeddings_get_sinusoidal_positions(overrides):
+    """The decoder asks its config; what the built layers' own settings say is the reference."""
+    small = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.swa.window=64", "window.windows=[64]"]
+    cfg = load_config(None, [*small, "window.probabilities=[1.0]", *overrides]).model
+    model = Decoder(cfg)
+    asked = any(getattr(block.mixer, "positional", None) == "sinusoidal" for block in model.blocks)
+    assert cfg.sinusoidal_positions() == model.sinusoidal == asked

@@ -9,7 +9,7 @@ import torch
 import megabam.kernels.bam_attention as bam
 from megabam.config import load_config
 from megabam.model import MIXERS
-from megabam.model.attention import SequenceInfo
+from megabam.model.layers import SequenceInfo
 
 D, HEADS, BLOCK = 32, 4, 32
 
