@@ -36,6 +36,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             del origins[set_here]  # the command line's now
     try:
         config = _build(Config, raw, "", source)
+        _resolve(config)
         validate(config, source)
     except ConfigError as e:  # a key a base file set: name that file
         where = _origin(origins, e.key)
@@ -124,8 +125,16 @@ def _origin(origins: dict[str, str], key: str) -> str | None:
 def config_from_dict(raw: dict, source: str) -> Config:
     """A Config from its dictionary form (a checkpoint's `config` field), checked like a file."""
     config = _build(Config, raw, "", source)
+    _resolve(config)
     validate(config, source)
     return config
+
+
+def _resolve(config: Config) -> None:
+    """Values that follow from others unless given: the SWA layers' inference window is the run's final
+    training window (checked against it in _validate_windows when given)."""
+    if config.model.swa.window is None:
+        config.model.swa.window = config.window.final_window()
 
 
 def text_byte(e: UnicodeDecodeError) -> str:
@@ -302,15 +311,21 @@ def _validate_windows(c: Config, require) -> None:
     """The sliding-window layers' windows within the sequence (the window section's own rules are
     checked whatever the pattern)."""
     seq_len = c.data.seq_len
-    w = c.model.swa
-    require(1 <= w.window <= seq_len, "model.swa.window", f"{w.window} must lie in 1..data.seq_len={seq_len}")
-    s = c.window
+    w, s = c.model.swa, c.window
     for i, win in enumerate(s.windows):
         require(1 <= win <= seq_len, f"window.windows[{i}]", f"{win} must lie in 1..data.seq_len={seq_len}")
     require(
         s.anneal_window is None or 1 <= s.anneal_window <= seq_len,
         "window.anneal_window",
         f"{s.anneal_window} must lie in 1..data.seq_len={seq_len}",
+    )
+    require(1 <= w.window <= seq_len, "model.swa.window", f"{w.window} must lie in 1..data.seq_len={seq_len}")
+    final = s.final_window()
+    require(
+        w.window == final,
+        "model.swa.window",
+        f"{w.window} contradicts the final training window {final} (window.anneal_window, else the largest of "
+        "window.windows); leave it unset to follow them",
     )
 
 

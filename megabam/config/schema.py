@@ -139,10 +139,12 @@ class SlidingWindowConfig(AttentionConfig):
         "rope", "Positional scheme of the SWA layers (the SWAX paper uses RoPE); any of the attention schemes."
     )
     ssmax: bool = doc(False, "Scalable softmax in the SWA layers (off in the SWAX paper).")
-    window: int = doc(
-        2048,
+    window: int | None = doc(
+        None,
         "Window in tokens (the token itself included: key j is seen by query i iff i - window < j <= i) "
-        "used when the call gives none (evaluation, inference); training steps take theirs from `window.*`.",
+        "used when the call gives none (evaluation, inference); training steps take theirs from `window.*`. "
+        "null = the run's final training window (window.anneal_window, else the largest of window.windows); "
+        "given, it must equal that.",
     )
 
 
@@ -330,6 +332,11 @@ class WindowConfig:
     )
     anneal_fraction: float = doc(0.1, "The last this share of the steps uses anneal_window only (no draw).")
     anneal_window: int | None = doc(None, "Window of the annealing steps; null = the largest of `windows`.")
+
+    def final_window(self) -> int:
+        """The window of the last training steps: anneal_window, else the largest drawn; the SWA layers'
+        inference window (model.swa.window) unless given."""
+        return self.anneal_window if self.anneal_window is not None else max(self.windows)
 
     def check(self, require: Require, key: str) -> None:
         """Checked whatever the pattern; the bounds by data.seq_len, with sliding-window layers, are the loader's."""

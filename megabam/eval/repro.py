@@ -57,9 +57,9 @@ STUDIES = {
     "swax": Study(
         "yaml_configs/swax_tiny_cpu.yaml",
         {
-            "short_16": ["window.windows=[16]", "window.probabilities=[1.0]", "model.swa.window=16"],
-            "long_128": ["window.windows=[128]", "window.probabilities=[1.0]", "model.swa.window=128"],
-            "stochastic_16_128": ["window.windows=[16,128]", "window.probabilities=[0.5,0.5]", "model.swa.window=128"],
+            "short_16": ["window.windows=[16]", "window.probabilities=[1.0]"],
+            "long_128": ["window.windows=[128]", "window.probabilities=[1.0]"],
+            "stochastic_16_128": ["window.windows=[16,128]", "window.probabilities=[0.5,0.5]"],
         },
         niah=True,
     ),

@@ -24,7 +24,7 @@ class WindowSampler:
         self.windows = list(cfg.windows)
         self.probabilities = list(cfg.probabilities)
         self.anneal_fraction = cfg.anneal_fraction
-        self.anneal_window = cfg.anneal_window if cfg.anneal_window is not None else max(self.windows)
+        self.anneal_window = cfg.final_window()
         self.seed = seed
         self.total_steps = total_steps
         self.anneal_start = total_steps - round(cfg.anneal_fraction * total_steps)

@@ -32,8 +32,8 @@ def _model(pattern, *overrides, seed=0):
             "model.n_layers=4",
             f"model.layer_pattern={pattern}",
             "data.seq_len=64",
-            "model.swa.window=7",
             "window.windows=[4, 16]",
+            "window.anneal_window=7",  # the inference window, model.swa.window, follows it
             "model.mlstm.chunk_size=4",
             "model.gated_deltanet.chunk_size=5",
             "model.swa.block_size=8",
@@ -230,6 +230,7 @@ BAD = [
     ({"window": {"probabilities": [1.0]}}, "window.probabilities"),
     ({"window": {"anneal_fraction": 1.5}}, "window.anneal_fraction"),
     ({"model": {"swa": {"window": 0}}}, "model.swa.window"),
+    ({"model": {"swa": {"window": 128}}}, "model.swa.window"),  # contradicts the final training window 2048
     ({"model": {"mlstm": {"n_heads": 3}}}, "model.mlstm.n_heads"),
     ({"model": {"mlstm": {"chunk_size": 0}}}, "model.mlstm.chunk_size"),
     ({"model": {"gated_deltanet": {"n_heads": 5}, "layer_pattern": ["SG"]}}, "model.gated_deltanet.n_heads"),
@@ -240,7 +241,7 @@ BAD = [
 @pytest.mark.parametrize("data,key", BAD, ids=[k for _, k in BAD])
 def test_bad_swax_config_names_the_key(tmp_path, data, key):
     base = {
-        "model": {"layer_pattern": ["SM"], "d_model": 64, "n_heads": 4, "swa": {"window": 128}},
+        "model": {"layer_pattern": ["SM"], "d_model": 64, "n_heads": 4},
         "data": {"seq_len": 2048},
         "window": {"windows": [128, 2048]},
     }
@@ -255,3 +256,18 @@ def test_bad_swax_config_names_the_key(tmp_path, data, key):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert err.value.key == key
+
+
+@pytest.mark.parametrize(
+    "window, expected",
+    [({"windows": [16, 64]}, 64), ({"windows": [64, 16]}, 64), ({"windows": [16, 64], "anneal_window": 32}, 32)],
+)
+def test_the_swa_inference_window_is_the_final_training_window(window, expected):
+    """model.swa.window follows window.*: the annealing window, else the largest drawn; given, it must agree."""
+    probabilities = f"window.probabilities=[{','.join(['0.5'] * len(window['windows']))}]"
+    overrides = ["model.layer_pattern=[SM]", f"window.windows={window['windows']}", probabilities]
+    overrides += [f"window.anneal_window={window['anneal_window']}"] if "anneal_window" in window else []
+    assert load_config(None, overrides).model.swa.window == expected
+    assert load_config(None, [*overrides, f"model.swa.window={expected}"]).model.swa.window == expected
+    with pytest.raises(ConfigError, match=f"model.swa.window: 8 contradicts the final training window {expected}"):
+        load_config(None, [*overrides, "model.swa.window=8"])
