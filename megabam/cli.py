@@ -1,8 +1,6 @@
 """The `megabam` command. Subcommands: train, launch, plan, data, eval, plot, repro, convert, config."""
 
 import argparse
-import gc
-import os
 import sys
 
 from megabam import exit_codes, process, progress, remote_args
@@ -93,17 +91,7 @@ def _run(args) -> int:
 def run() -> None:
     """The process entry point (`megabam`, `python -m megabam.cli`): main's code, recorded for the
     launch scripts, as the exit status."""
-    # Start-up imports (torch, DeepSpeed, the trainer) build millions of long-lived objects; each full
-    # collection while they grow walks all of them, and the interpreter's last collection at exit walks
-    # them again. No collections during start-up, and those objects frozen after it (process.start_collecting),
-    # took a tiny training run from 5.0 to 4.1 s (docs/benchmarks.md, issue 16). Not frozen at exit too
-    # (0.3 s more): objects of extensions (Triton's) left uncollected make them print leak warnings.
-    gc.disable()
-    # megabam compiles nothing, yet DeepSpeed's ZeRO optimizer check imports its Muon module, whose
-    # module-level torch.compile loads the inductor backend: ~1 s of every process's start
-    # (docs/benchmarks.md). With dynamo disabled torch.compile returns the function as it is. Set for
-    # this process and those it starts; a value the user set wins.
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    process.begin()
     code = 1  # an exception escaping main: a traceback, exit 1
     try:
         code = main()

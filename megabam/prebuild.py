@@ -9,12 +9,11 @@ build is one line on stderr and exit code 1, since the first training start woul
 import os
 import sys
 
+from megabam import process
+
 
 def main() -> int:
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the trainer does (megabam/cli.py)
+    process.cpu_accelerator_without_cuda()  # as the trainer does
     from megabam.kernels import bam_attention_cpu, cpu_fused
     from megabam.parallel.distributed import build_ops
 

@@ -1,6 +1,32 @@
-"""Process-wide set-up that every megabam entry point shares."""
+"""Process-wide set-up that megabam's entry points share: the start-up's garbage collection and
+torch.compile, and DeepSpeed's accelerator on a machine without CUDA."""
 
 import gc
+import os
+
+
+def begin() -> None:
+    """The first thing a megabam process does (megabam.cli.run)."""
+    # Start-up imports (torch, DeepSpeed, the trainer) build millions of long-lived objects; each full
+    # collection while they grow walks all of them, and the interpreter's last collection at exit walks
+    # them again. No collections during start-up, and those objects frozen after it (start_collecting),
+    # took a tiny training run from 5.0 to 4.1 s (docs/benchmarks.md, "Test suite"). Not frozen at exit
+    # too (0.3 s more): objects of extensions (Triton's) left uncollected make them print leak warnings.
+    gc.disable()
+    # megabam compiles nothing, yet DeepSpeed's ZeRO optimizer check imports its Muon module, whose
+    # module-level torch.compile loads the inductor backend: ~1 s of every process's start
+    # (docs/benchmarks.md). With dynamo disabled torch.compile returns the function as it is. Set for
+    # this process and those it starts; a value the user set wins.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+def cpu_accelerator_without_cuda() -> None:
+    """DeepSpeed's accelerator is CPU where torch sees no CUDA device (before DeepSpeed is imported; a
+    value the user set wins)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def start_collecting() -> None:

@@ -91,10 +91,7 @@ def run_train(args) -> int:
     os.environ.update(launch_environment())
     if launched:
         _die_with_the_launcher()
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    process.cpu_accelerator_without_cuda()
     from megabam.train.trainer import AlreadyComplete, TooManyBadSteps, train
 
     process.start_collecting()
