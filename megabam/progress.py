@@ -48,6 +48,7 @@ class Progress:
         self.done = 0.0
         self.start = self.last_line = time.perf_counter()
         self.bar = None
+        self.shown: float | None = None  # `done` when the last line was written off a terminal
         self.enabled = enabled and not quiet()
         if self.enabled and self.stream.isatty():
             from tqdm import tqdm
@@ -70,8 +71,7 @@ class Progress:
         if self.bar is not None:
             self.bar.update(n)
         elif self.enabled and time.perf_counter() - self.last_line >= LINE_EVERY_S:
-            self.last_line = time.perf_counter()
-            print(self.line(), file=self.stream, flush=True)
+            self._write_line()
 
     def note(self, text: str) -> None:
         """A line of news (a finished row of results), written around the bar."""
@@ -108,16 +108,24 @@ class Progress:
             n /= base
         raise AssertionError("unreachable")
 
-    def close(self) -> None:
+    def _write_line(self) -> None:
+        self.last_line, self.shown = time.perf_counter(), self.done
+        print(self.line(), file=self.stream, flush=True)
+
+    def close(self, finished: bool = True) -> None:
+        """End the bar; off a terminal, a log that showed progress gets the final amount too (the last
+        periodic line may be up to LINE_EVERY_S old), unless the work failed (its error is the last word)."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        elif finished and self.enabled and self.shown is not None and self.shown != self.done:
+            self._write_line()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(finished=kind is None)
 
 
 def _duration(seconds: float) -> str:

@@ -24,8 +24,7 @@ class Terminal(io.StringIO):
 
 @pytest.fixture(autouse=True)
 def loud(monkeypatch):
-    """Not quiet, and quiet mode reset after each test (set_quiet(True) also sets MEGABAM_QUIET for the
-    processes it starts); a line at every advance off a terminal."""
+    """Not quiet, and quiet mode reset after each test; a line at every advance off a terminal."""
     monkeypatch.delenv("MEGABAM_QUIET", raising=False)
     monkeypatch.setattr(megabam.progress, "_quiet", False)
     monkeypatch.setattr(megabam.progress, "LINE_EVERY_S", 0.0)
@@ -51,6 +50,26 @@ def test_lines_off_a_terminal_give_done_total_share_rate_and_eta():
         re.fullmatch(r"copy: .* \(\d+%\), [\d.]+[KMG]?i?B/s, ETA (\d+ s|[\d.]+ min|[\d.]+ h|\?)", x) for x in lines
     )
     assert lines[-1].endswith("ETA 0 s")
+
+
+def test_a_log_that_showed_progress_ends_on_the_final_amount(monkeypatch):
+    """Lines every LINE_EVERY_S: the work may end between two of them; closing writes where it ended,
+    unless nothing was shown yet (short work stays silent) or the work failed."""
+    stream = io.StringIO()
+    monkeypatch.setattr(megabam.progress, "LINE_EVERY_S", 3600.0)
+    with Progress("short", 10, stream=stream) as p:
+        p.advance(10)
+    assert stream.getvalue() == ""
+    with Progress("long", 10, stream=stream) as p:
+        p.last_line -= 3600  # the first advance comes a period after the start
+        p.advance(4)
+        p.advance(6)
+    assert [x.split(" (")[0] for x in stream.getvalue().splitlines()] == ["long: 4 of 10", "long: 10 of 10"]
+    with pytest.raises(RuntimeError), Progress("failed", 10, stream=stream) as p:
+        p.last_line -= 3600
+        p.advance(4)
+        raise RuntimeError
+    assert stream.getvalue().splitlines()[-1].startswith("failed: 4 of 10")
 
 
 def test_without_a_total_the_amount_and_rate_only():
