@@ -5,9 +5,9 @@ The PyTorch forms (megabam/model/layers.py, positional.py) make a pass per opera
 rsqrt, two products; silu, product; complex views and product) and more in the backward, plus, for
 SwiGLU, a concatenation of the gradients of the two halves of the fused projection: measured at 2,048
 tokens per step on the tiny models, 1.1 ms per norm, 1.9 ms per MLP and 0.8 ms per rotation, about 14 %
-of a step (docs/benchmarks.md, issue 16). These compute the same values for CPU tensors of fp32 or fp64
-(norms with a 1-D weight); kernels/dispatch.py decides where they run, and the PyTorch forms stay for
-everything else (CUDA, bf16, per-head norms).
+of a step (docs/log/benchmarks-history.md, "CPU training speed"). These compute the same values for
+CPU tensors of fp32 or fp64 (norms with a 1-D weight); kernels/dispatch.py decides where they run, and
+the PyTorch forms stay for everything else (CUDA, bf16, per-head norms).
 """
 
 import functools

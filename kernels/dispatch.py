@@ -129,7 +129,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **optio
         op = bam_attention_sdpa.bam_attention_sdpa
         # Its memory does not grow with the query block (the masks are views, the tiles its own), and
         # each fused call costs a fixed ~0.3 ms: below SDPA_MIN_BLOCK rows per call the calls cost more
-        # than the masked work a larger diagonal block adds (docs/benchmarks.md, issue 16).
+        # than the masked work a larger diagonal block adds (docs/log/benchmarks-history.md, "CPU training speed").
         options = {**options, "block_size": max(options.get("block_size", SDPA_MIN_BLOCK), SDPA_MIN_BLOCK)}
     else:
         op = bam_attention

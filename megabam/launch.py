@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megabam import exit_codes
+from megabam import exit_codes, process
 from megabam.config import load_config
 from megabam.errors import BadArgument
 from megabam.parallel.layout import check_world
@@ -88,7 +88,9 @@ FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 def run_passing_signals(cmd: list[str], env: dict[str, str]) -> int:
     """Run `cmd` in a process group of its own, pass FORWARDED signals on to it, wait, and return its
     exit code (128 + N for a death by signal N, as a shell reports it)."""
-    proc = subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=lambda: parent_death_signal(signal.SIGTERM))
+    proc = subprocess.Popen(
+        cmd, env=env, process_group=0, preexec_fn=lambda: process.parent_death_signal(signal.SIGTERM)
+    )
     previous = {sig: signal.signal(sig, lambda signum, frame: proc.send_signal(signum)) for sig in FORWARDED}
     try:
         code = proc.wait()  # resumed after each forwarding handler (PEP 475)
@@ -96,15 +98,6 @@ def run_passing_signals(cmd: list[str], env: dict[str, str]) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 128 - code if code < 0 else code
-
-
-def parent_death_signal(sig: int) -> None:
-    """Ask the kernel to send this process `sig` when its parent dies (Linux; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
 
 
 def _bad(key: str, why: str) -> BadArgument:

@@ -1,8 +1,11 @@
 """Process-wide set-up that megabam's entry points share: the start-up's garbage collection and
-torch.compile, and DeepSpeed's accelerator on a machine without CUDA."""
+torch.compile, DeepSpeed's accelerator on a machine without CUDA, and a signal when the parent dies.
+torch's threads and the denormal flush are set when a rank joins its process group
+(megabam/parallel/threads.py `configure_cpu`, which sizes them by the ranks sharing the node)."""
 
 import gc
 import os
+import sys
 
 
 def begin() -> None:
@@ -37,3 +40,12 @@ def start_collecting() -> None:
     if not gc.isenabled():
         gc.freeze()
         gc.enable()
+
+
+def parent_death_signal(sig: int) -> None:
+    """Ask the kernel to send this process `sig` when its parent dies (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))

@@ -3,7 +3,7 @@ renamed into place when complete, so a reader (or a rerun after a kill) never se
 
 One staged form for all of them, `.NAME.tmp-<32 hex>` beside NAME, which `is_staged` recognises (a
 killed process leaves only such a hidden sibling). Checkpoints are the one exception: every rank
-writes into `checkpoints/.tmp-step_N/` together (megabam/train/checkpoint.py), renamed by rank 0.
+writes into `checkpoints/.tmp-step_N/` together (megabam/checkpoint/store.py), renamed by rank 0.
 """
 
 import json

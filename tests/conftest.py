@@ -9,7 +9,7 @@ on one worker, so its module fixtures are built once). Most of the suite's time 
 (imports), which one core runs, so two at a time on the CI machine's 2 cores nearly halve it. Each
 worker, and every process a test starts that does not choose its own, gets cores ÷ workers torch
 threads (megabam/parallel/threads.py's rule, workers for local ranks):
-oversubscribed OpenMP threads ran 5× slower (docs/benchmarks.md, issue 16).
+oversubscribed OpenMP threads ran 5× slower (docs/log/benchmarks-history.md, "CPU training speed").
 """
 
 import glob

@@ -31,7 +31,7 @@ def hwm():
 mode, ckpt, out = sys.argv[1], sys.argv[2], sys.argv[3]
 import torch
 from megabam.cli import main
-from megabam.convert.reader import CheckpointReader
+from megabam.checkpoint.reader import CheckpointReader
 from megabam.parallel.tensor_parallel import unshard
 from safetensors.torch import save_file
 base = hwm()
@@ -55,10 +55,10 @@ def write_checkpoint(folder: Path, width: int, layers: int, vocab: int) -> tuple
     """A TP=2 checkpoint of a freshly initialised model; returns (bytes of weights, largest tensor bytes)."""
     import torch
 
+    from megabam.checkpoint.store import MANIFEST_FILE, META_FILE, CheckpointMeta, _digest, tag_for
     from megabam.config import load_config
     from megabam.model import Decoder
     from megabam.parallel.tensor_parallel import apply_tp
-    from megabam.train.checkpoint import MANIFEST_FILE, META_FILE, CheckpointMeta, _digest, tag_for
 
     overrides = [f"model.d_model={width}", f"model.n_layers={layers}", f"model.vocab_size={vocab}", "parallel.tensor=2"]
     cfg = load_config(REPO / "yaml_configs" / "tiny_cpu.yaml", overrides)

@@ -1,1 +1,2 @@
-"""Checkpoint conversion: `megabam convert inspect|consolidate` (megabam/convert/cli.py)."""
+"""Checkpoint conversion: `megabam convert inspect|consolidate|reshard|to-hf|from-hf` (megabam/convert/cli.py).
+The formats themselves live in megabam/checkpoint."""

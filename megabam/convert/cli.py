@@ -88,7 +88,7 @@ def _inspect(args) -> list[str]:
 
 
 def _max_bytes(args) -> int:
-    from megabam.convert.safetensors_out import parse_size
+    from megabam.checkpoint.safetensors_io import parse_size
     from megabam.staging import OutputError
 
     try:
@@ -98,7 +98,7 @@ def _max_bytes(args) -> int:
 
 
 def _consolidate(args) -> list[str]:
-    from megabam.convert.consolidate import consolidate
+    from megabam.checkpoint.consolidated import consolidate
 
     return consolidate(Path(args.source), Path(args.out), args.dtype, _max_bytes(args), args.overwrite)
 

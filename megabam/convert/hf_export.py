@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from megabam.checkpoint.consolidated import DTYPES
+from megabam.checkpoint.reader import CheckpointReader
+from megabam.checkpoint.safetensors_io import write_model
+from megabam.checkpoint.store import META_FILE
 from megabam.config.loader import save_config
-from megabam.convert.consolidate import DTYPES
-from megabam.convert.reader import CheckpointReader
-from megabam.convert.safetensors_out import write_model
 from megabam.data.tokenizer import (
     BOS_ID,
     EOS_ID,
@@ -35,7 +36,6 @@ from megabam.data.tokenizer import (
 )
 from megabam.progress import note
 from megabam.staging import check_output, staged_folder
-from megabam.train.checkpoint import META_FILE
 
 PACKAGE = Path(__file__).resolve().parents[1]  # megabam/
 CONFIG_FILE = "megabam_config.yaml"  # the resolved megabam config of the run exported

@@ -4,7 +4,7 @@ A megabam export (`to-hf`) comes back bit for bit: its weights under the Decoder
 run's config and metadata it carries. transformers' LlamaForCausalLM comes in as RoPE attention
 layers with its grouped-query heads (the mapping is `_llama`'s), xLSTMForCausalLM as mLSTM layers
 (`_xlstm`'s). OUT is a consolidated folder
-(megabam/convert/consolidate.py): `megabam train CONFIG train.init_from=OUT` continues pretraining
+(megabam/checkpoint/consolidated.py): `megabam train CONFIG train.init_from=OUT` continues pretraining
 from it (the optimizer, schedule and data start fresh; the optimizer state does not travel through
 an export), and `megabam eval` and `convert to-hf` read it as they read any consolidated folder.
 """
@@ -18,16 +18,16 @@ from pathlib import Path
 
 import torch
 
+from megabam.checkpoint.consolidated import FORMAT, MARKER, Consolidated
+from megabam.checkpoint.safetensors_io import read_model, weight_files, write_model
+from megabam.checkpoint.store import META_FILE, CheckpointError, CheckpointMeta
 from megabam.config import Config, ConfigError, load_config
 from megabam.config.loader import save_config
-from megabam.convert.consolidate import FORMAT, MARKER, Consolidated
 from megabam.convert.hf_export import CONFIG_FILE, PREFIX
-from megabam.convert.safetensors_out import read_model, weight_files, write_model
 from megabam.data.errors import DataError
 from megabam.data.tokenizer import copy_tokenizer, load_tokenizer, tokenizer_in
 from megabam.model import Decoder
 from megabam.staging import check_output, staged_folder
-from megabam.train.checkpoint import META_FILE, CheckpointError, CheckpointMeta
 
 
 @dataclass

@@ -5,8 +5,9 @@ Step, tokens and samples seen, a config summary, the parallel layout, every weig
 manifest verified (a checkpoint whose manifest does not verify is refused with the reason).
 """
 
-from megabam.convert.reader import OPTIMIZER_FILE, CheckpointReader, load_weights_file, model_states_file
-from megabam.train.checkpoint import MANIFEST_FILE
+from megabam.checkpoint.reader import CheckpointReader, load_weights_file
+from megabam.checkpoint.shards import OPTIMIZER_FILE, model_states_file
+from megabam.checkpoint.store import MANIFEST_FILE
 
 
 def inspect(source) -> dict:

@@ -9,24 +9,23 @@ data-parallel order, reshaped; its full tensor is the shards put together by the
 plans (the same `tp_splits` the weights use). The model-parallel rank `mp` is pp · TP + tp.
 
 Files are memory-mapped and read per parameter, with `weights_only=True` (DeepSpeed's three data
-classes allowed by name: megabam/train/weights_only.py).
+classes allowed by name: megabam/checkpoint/weights_only.py).
 """
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from megabam.convert.reader import CheckpointReader, load_weights_file, model_states_file
+from megabam.checkpoint.reader import CheckpointReader, load_weights_file
+from megabam.checkpoint.shards import OPTIMIZER_FILE, model_states_file
+from megabam.checkpoint.store import CheckpointError
+from megabam.checkpoint.weights_only import WeightsOnlyCheckpointEngine
 from megabam.parallel.pipeline_layers import decoder_name
 from megabam.parallel.tensor_parallel import unshard
-from megabam.train.checkpoint import CheckpointError
 from megabam.train.optim import PLACEHOLDER
-from megabam.train.weights_only import WeightsOnlyCheckpointEngine
 
-ZERO_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")  # master weights and Adam's two moments
 
 
@@ -84,10 +83,10 @@ class OptimizerState:
                 "in its own per-index format; reshard reads ZeRO stage 1 or 2 checkpoints (consolidate and "
                 "train.init_from carry the weights over, with a fresh optimizer)",
             )
-        found = [m for m in map(ZERO_FILE.match, (p.name for p in path.iterdir())) if m]
+        found = [m for m in map(OPTIMIZER_FILE.match, (p.name for p in path.iterdir())) if m]
         if not found:
             raise CheckpointError(path, None, "holds no ZeRO optimizer partitions (zero_pp_rank_*_optim_states.pt)")
-        state = cls(reader, dp=1 + max(int(m[2]) for m in found), bf16=cfg.train.precision == "bf16")
+        state = cls(reader, dp=1 + max(int(m[1]) for m in found), bf16=cfg.train.precision == "bf16")
         mp_size = reader.tp * reader.pp
         for mp in range(mp_size):
             state._read_model_parallel_rank(mp)

@@ -5,7 +5,7 @@ OUT is a run directory (config.yaml at the new layout, the tokenizer, the metric
 checkpoint) that `megabam train OUT/config.yaml` on T·P·D ranks resumes. What it holds is written by
 DeepSpeed itself: T·P·D local gloo processes each build the new layout's engine as the trainer does
 (build_engine: the same tensor-parallel plans and pipeline cut), fill their parameters, fp32 master
-weights and Adam moments from the source's full tensors (megabam/convert/reader.py and
+weights and Adam moments from the source's full tensors (megabam/checkpoint/reader.py and
 optimizer_state.py: read per parameter and re-split by `tp_splits`, the plans' own record of how each
 tensor is cut), set the Adam step, the schedule and DeepSpeed's counters, restore an RNG state, and
 save through the trainer's `checkpoint.save` with the source's data-loader position and window sampler.
@@ -27,16 +27,16 @@ from pathlib import Path
 
 import torch
 
+from megabam.checkpoint.reader import CheckpointReader
+from megabam.checkpoint.shards import shard_identity
+from megabam.checkpoint.store import CheckpointError, checkpoint_root, list_tags
 from megabam.config.loader import config_from_dict, save_config
 from megabam.convert.optimizer_state import KINDS, OptimizerState
-from megabam.convert.reader import CheckpointReader
 from megabam.data.tokenizer import copy_tokenizer, load_tokenizer
 from megabam.errors import BadArgument
 from megabam.parallel.layout import ParallelLayout
-from megabam.parallel.pipeline_layers import shard_identity
 from megabam.progress import Progress, note
 from megabam.staging import check_output, staged_folder
-from megabam.train.checkpoint import CheckpointError, checkpoint_root, list_tags
 
 SOURCE = "<reshard>"
 
@@ -152,10 +152,10 @@ def _run_ranks(out: Path, world: int, *args) -> None:
 
 def write_rank(source: str, run_dir: str, raw: dict, tokenizer: str) -> None:
     """One rank of the new layout: build its engine, fill it from the source, save (collective)."""
+    from megabam.checkpoint import rng, store
     from megabam.parallel.pipeline_layers import decoder_name, pipeline_layers
     from megabam.parallel.tensor_parallel import shard
     from megabam.parallel.topology import build_topology
-    from megabam.train import checkpoint, rng
     from megabam.train.engine import build_engine
     from megabam.train.optim import PLACEHOLDER
 
@@ -218,4 +218,4 @@ def write_rank(source: str, run_dir: str, raw: dict, tokenizer: str) -> None:
     peer = old.rank(min(dp, old.data - 1), min(pp, old.pipeline - 1), min(tp, old.tensor - 1))
     rng.restore(json.loads((reader.path / f"rng_rank{peer:05d}.json").read_text()))
     meta = dataclasses.replace(reader.meta, config=raw, tokenizer=tokenizer)
-    checkpoint.save(ds, Path(run_dir), meta, keep=1, shard=shard_identity(tp, L.tensor, L.pipeline))
+    store.save(ds, Path(run_dir), meta, keep=1, shard=shard_identity(tp, L.tensor, L.pipeline))

@@ -1,5 +1,5 @@
 """A trained model for evaluation and plots, read from a run directory, one checkpoint directory of
-any parallel layout (megabam/convert/reader.py puts the full tensors together from the tensor and
+any parallel layout (megabam/checkpoint/reader.py puts the full tensors together from the tensor and
 pipeline ranks' files), a consolidated folder (`megabam convert consolidate`) or a megabam Hugging
 Face export (`convert to-hf`). A checkpoint's manifest is verified first; weights are read with
 `weights_only=True` (plain tensors, nothing unpickled), and DeepSpeed is not imported.
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
+from megabam.checkpoint.reader import CheckpointReader
+from megabam.checkpoint.store import CheckpointError, CheckpointMeta, tag_for
 from megabam.config import Config
-from megabam.convert.reader import CheckpointReader
 from megabam.data.tokenizer import Tokenizer, load_tokenizer
 from megabam.model import Decoder
-from megabam.train.checkpoint import CheckpointError, CheckpointMeta, tag_for
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Trained:
 def load_trained(path: str | Path, device: str | torch.device = "cpu") -> Trained:
     """The model (eval mode, float32), tokenizer and config of a run directory's newest verified
     checkpoint, of the checkpoint directory `path`, or of the consolidated folder `path`."""
-    from megabam.convert.consolidate import is_consolidated, read_consolidated
+    from megabam.checkpoint.consolidated import is_consolidated, read_consolidated
     from megabam.convert.hf_import import is_export, read_export
 
     if is_consolidated(Path(path)) or is_export(Path(path)):

@@ -11,7 +11,7 @@
 - `sequence_parallel.py`: `apply_sp`, sequence shards between the tensor-parallel regions;
 - `activation_checkpoint.py`: `apply_ac`, activation recomputation;
 - `pipeline.py`: the model cut into DeepSpeed pipeline stages, and prediction through them;
-- `pipeline_layers.py`: the pipeline's layer order by Decoder name (shared with checkpoint conversion);
+- `pipeline_layers.py`: the pipeline's layer order by Decoder name (shared with the checkpoint reader);
 - `deepspeed_mpu.py`: the topology as DeepSpeed's model-parallel unit (ZeRO over the data group);
 - `parallelize.py`: the order in which the above are applied to a built model.
 """

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 NOTE_EVERY_S = 30  # how long a start-up wait may last before it says again what it waits for
 # How often a rank waiting for the build lock tries it again, and when it first says so. Once the op is
 # built a holder only loads it (~0.1 s), so on every multi-rank start all but one rank wait that long:
-# polling each second made them wait a whole second (docs/benchmarks.md, issue 16), and a note on
+# polling each second made them wait a whole second (docs/benchmarks.md, "Test suite"), and a note on
 # every start would be noise.
 LOCK_POLL_S = 0.05
 FIRST_NOTE_S = 1.0

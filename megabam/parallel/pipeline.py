@@ -29,14 +29,7 @@ from torch import Tensor, nn
 
 from megabam.model.layers import SequenceInfo
 from megabam.model.transformer import Block, Decoder, VocabOutput
-from megabam.parallel.pipeline_layers import (
-    EMBEDDING_KEY,
-    SHARD_KEY,
-    TIED_HEAD,
-    identity_problem,
-    pipeline_layers,
-    shard_identity,
-)
+from megabam.parallel.pipeline_layers import EMBEDDING_KEY, TIED_HEAD, pipeline_layers
 from megabam.parallel.topology import Topology
 
 
@@ -108,7 +101,6 @@ class DecoderPipeline(PipelineModule):
     def __init__(self, layers: list, boundaries: list[int], **kwargs):
         # Read by _partition_layers, which PipelineModule.__init__ calls.
         self.explicit_parts = [0, *(b + 1 for b in boundaries), len(layers)] if boundaries else None
-        self.identity_problems: list[str] = []  # of the layer files loaded (build_pipeline's hooks)
         super().__init__(layers, **kwargs)
 
     def _partition_layers(self, method: str = "parameters") -> None:
@@ -166,29 +158,7 @@ def build_pipeline(model: Decoder, topology: Topology, boundaries: list[int], co
             f"the topology at {(topology.dp_rank, topology.pp_rank, topology.tp_rank)}"
         )
     _release_other_stages(model, pipeline)
-    _record_identity(pipeline, topology)
     return pipeline
-
-
-def _record_identity(pipeline: DecoderPipeline, topology: Topology) -> None:
-    """Each of this stage's layer files records its layer and tensor rank (DeepSpeed saves a layer's
-    `state_dict()`); a file recording another is noted as it loads, in `pipeline.identity_problems`.
-    Noted, not raised: a rank raising inside DeepSpeed's load would leave the others in its collectives."""
-    for index, layer in enumerate(pipeline.forward_funcs, start=pipeline._local_start):
-        if isinstance(layer, nn.Module):
-            mine = shard_identity(topology.tp_rank, topology.tp_size, topology.pp_size, layer=index)
-            layer.register_state_dict_post_hook(partial(_add_identity, mine))
-            layer.register_load_state_dict_pre_hook(partial(_check_identity, mine, pipeline.identity_problems))
-
-
-def _add_identity(mine: dict, module: nn.Module, state: dict, prefix: str, local_metadata) -> None:
-    state[prefix + SHARD_KEY] = mine
-
-
-def _check_identity(mine: dict, problems: list[str], module: nn.Module, state: dict, prefix: str, *rest) -> None:
-    problem = identity_problem(state.pop(prefix + SHARD_KEY, None), mine)
-    if problem:
-        problems.append(f"layer {mine['layer']}'s file was {problem}")
 
 
 def pipeline_greedy(

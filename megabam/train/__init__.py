@@ -1,1 +1,2 @@
-"""The training loop and what it needs: optimizer, schedule, DeepSpeed engine, checkpoints, logging."""
+"""The training loop and what it needs: optimizer, schedule, DeepSpeed engine, logging. Its checkpoints'
+format is megabam/checkpoint's."""

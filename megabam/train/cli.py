@@ -17,7 +17,6 @@ from megabam import exit_codes, process
 from megabam.config import Config, load_config
 from megabam.config.loader import DEFAULTS_KEY, config_differences, config_to_dict
 from megabam.errors import BadArgument
-from megabam.launch import parent_death_signal
 from megabam.train.preemption import Preempted, exit_words, handle_start_up_signals
 
 
@@ -123,7 +122,7 @@ def _die_with_the_launcher() -> None:
     """Under a launcher (torchrun, the deepspeed launcher, mpirun, srun), stop at once when it dies: its
     ranks run in sessions of their own, so a scheduler's kill of the launcher's process group would
     otherwise leave them training on."""
-    parent_death_signal(signal.SIGKILL)
+    process.parent_death_signal(signal.SIGKILL)
     if os.getppid() == 1:  # the launcher died before the request took effect
         os._exit(exit_codes.PREEMPTED)
 
@@ -199,7 +198,7 @@ def _layers(kinds: list[str]) -> str:
 
 
 def _run_dir_line(run_dir: Path) -> str:
-    from megabam.train.checkpoint import list_tags
+    from megabam.checkpoint.store import list_tags
 
     tags = list_tags(run_dir) if run_dir.is_dir() else []
     if tags:

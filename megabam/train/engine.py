@@ -8,6 +8,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from megabam.checkpoint.shards import record_layer_identity
 from megabam.config.schema import Config
 from megabam.model import Decoder
 from megabam.parallel.distributed import rank_device
@@ -132,15 +133,16 @@ def build_engine(cfg: Config, topology: Topology) -> TrainingEngine:
     torch.manual_seed(cfg.run.seed)
     model = Decoder(cfg.model)
     if cfg.train.init_from:  # a resumed run loads its own checkpoint over these afterwards
-        from megabam.convert.consolidate import load_initial_weights
+        from megabam.checkpoint.consolidated import load_initial_weights
 
         load_initial_weights(model, cfg.model, Path(cfg.train.init_from))
     # MFU's numerator: the planner's model FLOPs (megabam/plan/counts.py), one formula for both
     params, flops_per_token = model.num_params(), training_flops_per_token(cfg, model)["model"]
     groups = {group_of(name, p) for name, p in model.named_parameters() if p.requires_grad}
     parallel = parallelize(model, cfg, topology)
-    if topology.pp_size > 1:  # every stage must step the same parameter groups
-        add_group_placeholders(parallel.module, groups)
+    if topology.pp_size > 1:
+        add_group_placeholders(parallel.module, groups)  # every stage must step the same parameter groups
+        record_layer_identity(parallel.module, topology.tp_rank, topology.tp_size, topology.pp_size)
     engine, _, _, _ = deepspeed.initialize(
         model=parallel.module,
         optimizer=build_optimizer(parallel.module, cfg.optim),

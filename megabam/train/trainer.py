@@ -20,6 +20,10 @@ import torch
 import torch.distributed as dist
 
 from megabam import exit_codes, staging
+from megabam.checkpoint import store
+from megabam.checkpoint.shards import shard_identity
+from megabam.checkpoint.store import CheckpointMeta
+from megabam.checkpoint.weights_only import use_weights_only_loading
 from megabam.config import Config, ConfigError, save_config
 from megabam.config.schema import expand_pattern
 from megabam.data.errors import DataError
@@ -40,20 +44,16 @@ from megabam.eval.figures import heatmap
 from megabam.eval.passkey import passkey_accuracy, passkey_grid
 from megabam.log import setup_logging
 from megabam.parallel.distributed import init_distributed
-from megabam.parallel.pipeline_layers import shard_identity
 from megabam.parallel.topology import build_topology
 from megabam.plan.counts import meta_model
 from megabam.plan.memory import memory_bytes
 from megabam.plan.planner import config_layout
-from megabam.train import checkpoint
-from megabam.train.checkpoint import CheckpointMeta
 from megabam.train.compatibility import config_changes
 from megabam.train.engine import build_engine, tracked_step
 from megabam.train.logger import RunLogger, peak_tflops
 from megabam.train.plot import plot_loss
 from megabam.train.preemption import Preempted, PreemptionFlag
 from megabam.train.run_lock import RunDirError, RunLock
-from megabam.train.weights_only import use_weights_only_loading
 from megabam.train.window_sampler import WindowSampler
 
 log = logging.getLogger(__name__)
@@ -118,20 +118,20 @@ def completed_summary(run_dir: Path, cfg: Config) -> Summary | None:
     that step and its summary written after it), else None. A config change the run cannot take is
     refused (ConfigError) as a resume would refuse it."""
     path, steps = run_dir / SUMMARY_FILE, cfg.train.steps
-    tags = checkpoint.list_tags(run_dir)
-    if not path.is_file() or not tags or tags[0] != checkpoint.tag_for(steps):
+    tags = store.list_tags(run_dir)
+    if not path.is_file() or not tags or tags[0] != store.tag_for(steps):
         return None
     try:
         summary = Summary.read(path)
     except (ValueError, TypeError, KeyError, AttributeError):  # unreadable: finish the run again
         return None
     try:
-        saved = checkpoint.read_meta(run_dir, tags[0])
+        saved = store.read_meta(run_dir, tags[0])
     except (OSError, ValueError):  # a damaged checkpoint: the resume path reports it and falls back
         return None
     if summary.steps != steps:
         return None
-    _allowed_changes(saved.config, cfg, checkpoint.checkpoint_root(run_dir) / tags[0])
+    _allowed_changes(saved.config, cfg, store.checkpoint_root(run_dir) / tags[0])
     return summary
 
 
@@ -223,7 +223,7 @@ def choose_run_directory(cfg: Config, fresh: bool, resume: bool, lock: bool) -> 
             candidate = base.with_name(f"{base.name}-{n}")
     held = RunLock(base).acquire() if lock else None
     try:
-        if checkpoint.list_tags(base):
+        if store.list_tags(base):
             return base, True, held
         if resume:
             raise RunDirError(base, None, "no checkpoint to resume from")
@@ -338,14 +338,14 @@ class Trainer:
     def _resume(self) -> CheckpointMeta:
         """Load the newest checkpoint that verifies and loads, after checking that the config change
         is allowed; one that fails to load is reported and the previous one tried."""
-        root = checkpoint.checkpoint_root(self.run_dir)
-        for tag in checkpoint.valid_tags(self.run_dir, log.info):
+        root = store.checkpoint_root(self.run_dir)
+        for tag in store.valid_tags(self.run_dir, log.info):
             try:
-                saved = checkpoint.read_meta(self.run_dir, tag)
-            except checkpoint.NewerMeta:
+                saved = store.read_meta(self.run_dir, tag)
+            except store.NewerMeta:
                 raise
-            except checkpoint.CheckpointError as e:  # garbled metadata its manifest vouches for: damage
-                done = checkpoint.set_aside(self.run_dir, tag)
+            except store.CheckpointError as e:  # garbled metadata its manifest vouches for: damage
+                done = store.set_aside(self.run_dir, tag)
                 log.info(f"checkpoint {root / tag} is unusable ({e}); {done}")
                 continue
             if saved.step > self.cfg.train.steps:
@@ -359,9 +359,9 @@ class Trainer:
                 log.info(f"resume: accepted config change {line}")
             t0 = time.perf_counter()
             try:
-                meta = checkpoint.load(self.engine.deepspeed, self.run_dir, tag, shard=self._shard())
-            except checkpoint.UnusableCheckpoint as e:
-                done = checkpoint.set_aside(self.run_dir, tag)
+                meta = store.load(self.engine.deepspeed, self.run_dir, tag, shard=self._shard())
+            except store.UnusableCheckpoint as e:
+                done = store.set_aside(self.run_dir, tag)
                 log.info(f"checkpoint {root / tag} is unusable (it does not load: {e}); {done}")
                 continue
             self.train_loader.load_state_dict(meta.loader)
@@ -426,8 +426,8 @@ class Trainer:
             log.info(f"step {done}: non-finite loss or gradient norm, update skipped ({p.bad_in_a_row} in a row)")
             self.logger.log(done, {"skipped_steps": p.skipped_steps})
             if cfg.train.max_bad_steps and p.bad_in_a_row >= cfg.train.max_bad_steps:
-                root = checkpoint.checkpoint_root(self.run_dir)
-                good = root / checkpoint.tag_for(p.last_saved) if p.last_saved else "none"
+                root = store.checkpoint_root(self.run_dir)
+                good = root / store.tag_for(p.last_saved) if p.last_saved else "none"
                 raise TooManyBadSteps(
                     f"{p.bad_in_a_row} consecutive steps with a non-finite loss or gradient norm "
                     f"(last at step {done}); last good checkpoint: {good}"
@@ -550,7 +550,7 @@ class Trainer:
             wandb_id=self.logger.wandb_id,
             window_sampler=self.sampler.state_dict() if self.sampler is not None else None,
         )
-        path = checkpoint.save(self.engine.deepspeed, self.run_dir, meta, keep=cfg.checkpoint.keep, shard=self._shard())
+        path = store.save(self.engine.deepspeed, self.run_dir, meta, keep=cfg.checkpoint.keep, shard=self._shard())
         p.last_saved = step
         self.logger.log(step, {"checkpoint_save_s": time.perf_counter() - t0})
         log.info(f"saved {path} in {time.perf_counter() - t0:.2f} s")
@@ -607,7 +607,7 @@ class Trainer:
             val_loss=p.val_loss,
             params=self.engine.params,
             skipped_steps=p.skipped_steps,
-            checkpoint=str(checkpoint.checkpoint_root(self.run_dir) / checkpoint.tag_for(cfg.train.steps)),
+            checkpoint=str(store.checkpoint_root(self.run_dir) / store.tag_for(cfg.train.steps)),
             loss_plot=str(loss_plot) if loss_plot else None,
             passkey=passkey,
             passkey_plot=str(passkey_plot) if passkey_plot else None,
@@ -621,11 +621,7 @@ class Trainer:
 
 
 def train(cfg: Config, fresh: bool = False, resume: bool = False) -> Summary:
-    os.environ.setdefault("WANDB_MODE", cfg.logging.wandb_mode)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    # Attention probabilities under a sharp prior underflow into denormals, which x86 CPUs multiply
-    # ~100x slower than normal floats; flushing them to zero changes no result that matters.
-    torch.set_flush_denormal(True)
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(rank)
     run_dir, resuming, lock = choose_run_directory(cfg, fresh, resume, lock=rank == 0)

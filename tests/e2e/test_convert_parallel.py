@@ -14,8 +14,8 @@ from helpers.checkpoints import resign
 from helpers.parallel_logits import token_ids
 from helpers.runs import ENV, REPO, logged, megabam_train
 
+from megabam.checkpoint.consolidated import read_consolidated
 from megabam.cli import main
-from megabam.convert.consolidate import read_consolidated
 
 LOGITS_ATOL = 1e-5  # measured 3.6e-7 (TP=2 × PP=2), logits of size ~1
 

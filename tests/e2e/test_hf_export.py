@@ -18,8 +18,8 @@ from helpers.checkpoints import write_run
 from helpers.hf_load import NEW, PROMPT, TEXT, token_ids
 from helpers.runs import REPO
 
+from megabam.checkpoint.consolidated import read_consolidated
 from megabam.cli import main
-from megabam.convert.consolidate import read_consolidated
 from megabam.eval.generate import generate_greedy
 from megabam.eval.trained import load_trained
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from helpers.runs import ENV, REPO, losses, megabam_train
 
+from megabam.checkpoint.reader import CheckpointReader
 from megabam.cli import main
-from megabam.convert.reader import CheckpointReader
 from megabam.parallel.tensor_parallel import unshard
 
 # Measured: 1.2e-7 (TP=2 → TP=1 × PP=2) and 6.3e-8 (DP=2 → DP=1) relative, over steps 4-6; the same

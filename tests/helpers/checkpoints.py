@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import torch
 
+from megabam.checkpoint.store import MANIFEST_FILE, META_FILE, CheckpointMeta, _digest, tag_for
 from megabam.config import load_config
 from megabam.data.corpus import python_stdlib_documents
 from megabam.data.tokenizer import train_tokenizer
 from megabam.model import Decoder
 from megabam.parallel.tensor_parallel import apply_tp
-from megabam.train.checkpoint import MANIFEST_FILE, META_FILE, CheckpointMeta, _digest, tag_for
 
 from .runs import CONFIG
 

@@ -16,12 +16,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megabam.checkpoint import store  # noqa: E402
+from megabam.checkpoint.weights_only import use_weights_only_loading  # noqa: E402
 from megabam.config.loader import config_from_dict  # noqa: E402
 from megabam.parallel.distributed import init_distributed  # noqa: E402
 from megabam.parallel.topology import build_topology  # noqa: E402
-from megabam.train import checkpoint  # noqa: E402
 from megabam.train.engine import build_engine  # noqa: E402
-from megabam.train.weights_only import use_weights_only_loading  # noqa: E402
 
 BATCH, LENGTH, SEED = 2, 48, 5
 
@@ -32,14 +32,14 @@ def token_ids(vocab: int) -> torch.Tensor:
 
 def loaded_engine(ckpt: Path):
     """(config, topology, engine) of checkpoint `ckpt` on this rank: built as the trainer builds it,
-    then loaded by DeepSpeed through the trainer's checkpoint.load."""
+    then loaded by DeepSpeed through the trainer's store.load."""
     init_distributed()
-    meta = checkpoint.CheckpointMeta.read(ckpt / checkpoint.META_FILE)
+    meta = store.CheckpointMeta.read(ckpt / store.META_FILE)
     cfg = config_from_dict(meta.config, str(ckpt))
     topology = build_topology(cfg.parallel.tensor, cfg.parallel.pipeline)
     engine = build_engine(cfg, topology)
     use_weights_only_loading(engine.deepspeed)
-    checkpoint.load(engine.deepspeed, ckpt.parent.parent, ckpt.name)
+    store.load(engine.deepspeed, ckpt.parent.parent, ckpt.name)
     return cfg, topology, engine
 
 

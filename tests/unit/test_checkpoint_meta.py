@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from megabam.checkpoint.store import META_VERSION, CheckpointError, CheckpointMeta
 from megabam.config import load_config
-from megabam.train.checkpoint import META_VERSION, CheckpointError, CheckpointMeta
 
 
 def meta() -> CheckpointMeta:

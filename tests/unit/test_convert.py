@@ -13,15 +13,15 @@ import torch
 from helpers.checkpoints import resign, shard_model, write_run
 from safetensors import safe_open
 
+from megabam.checkpoint.consolidated import load_initial_weights, read_consolidated
+from megabam.checkpoint.reader import CheckpointReader
+from megabam.checkpoint.safetensors_io import INDEX, parse_size
+from megabam.checkpoint.store import CheckpointError, _digest
 from megabam.cli import main
 from megabam.config import ConfigError, load_config
-from megabam.convert.consolidate import load_initial_weights, read_consolidated
-from megabam.convert.reader import CheckpointReader
-from megabam.convert.safetensors_out import INDEX, parse_size
 from megabam.model import Decoder
 from megabam.parallel.pipeline_layers import EMBEDDING_KEY, decoder_name, locate, pipeline_layers
 from megabam.parallel.tensor_parallel import shard, tp_splits, unshard
-from megabam.train.checkpoint import CheckpointError, _digest
 
 SWA = ["model.swa.window=16", "window.windows=[16]", "window.probabilities=[1.0]"]
 VARIANTS = {

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import megabam.cli
+from megabam.checkpoint.store import CheckpointError, NewerMeta
 from megabam.cli import main
 from megabam.config import ConfigError
 from megabam.data.errors import DataError
@@ -15,7 +16,6 @@ from megabam.data.prepare import WorkerLost
 from megabam.errors import BadArgument, LaunchError, UserError
 from megabam.eval.plots import NothingToPlot
 from megabam.staging import OutputError
-from megabam.train.checkpoint import CheckpointError, NewerMeta
 from megabam.train.run_lock import RunDirError
 
 

@@ -12,28 +12,23 @@ costs about its size, not the checkpoint's. Everything is read with `weights_onl
 """
 
 import pickle
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from megabam.config import Config, ConfigError
-from megabam.config.loader import config_from_dict
-from megabam.data.tokenizer import TOKENIZER_FILES, tokenizer_in
-from megabam.model import Decoder
-from megabam.parallel.pipeline_layers import (
+from megabam.checkpoint.shards import (
+    LAYER_FILE,
+    MODEL_STATES_FILE,
+    OPTIMIZER_FILE,
     SHARD_KEY,
-    TIED_HEAD,
     identity_problem,
     layer_file,
-    locate,
-    pipeline_layers,
+    model_states_file,
     shard_identity,
 )
-from megabam.parallel.tensor_parallel import Split, shard, tp_splits, unshard
-from megabam.train.checkpoint import (
+from megabam.checkpoint.store import (
     META_FILE,
     CheckpointError,
     CheckpointMeta,
@@ -41,15 +36,12 @@ from megabam.train.checkpoint import (
     list_tags,
     manifest_problems,
 )
-
-MODEL_STATES_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
-OPTIMIZER_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-
-
-def model_states_file(model_parallel_rank: int) -> str:
-    """DeepSpeed's per-model-parallel-rank engine file (with the weights under "module" without PP)."""
-    return f"mp_rank_{model_parallel_rank:02d}_model_states.pt"
+from megabam.config import Config, ConfigError
+from megabam.config.loader import config_from_dict
+from megabam.data.tokenizer import TOKENIZER_FILES, tokenizer_in
+from megabam.model import Decoder
+from megabam.parallel.pipeline_layers import TIED_HEAD, locate, pipeline_layers
+from megabam.parallel.tensor_parallel import Split, shard, tp_splits, unshard
 
 
 def find_checkpoint(path: Path) -> Path:

@@ -1,6 +1,6 @@
 """DeepSpeed's checkpoint reads made safe: every file goes through `torch.load(weights_only=True)`.
 
-Kept apart from megabam/train/checkpoint.py so that reading checkpoints for evaluation and conversion
+Kept apart from megabam/checkpoint/store.py so that reading checkpoints for evaluation and conversion
 does not import DeepSpeed.
 """
 

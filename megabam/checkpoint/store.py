@@ -12,7 +12,7 @@ Layout of a run's checkpoints:
 A checkpoint is written under a temporary name and renamed once every rank is done, then `latest`
 moves. At load, the newest checkpoint whose manifest verifies is used; a partial or corrupted one is
 reported and skipped. Nothing megabam writes needs unpickling, and DeepSpeed's own files are read
-with `weights_only=True` (megabam/train/weights_only.py).
+with `weights_only=True` (megabam/checkpoint/weights_only.py).
 """
 
 import dataclasses
@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from megabam.checkpoint import rng
+from megabam.checkpoint.shards import SHARD_KEY, identity_problem
 from megabam.errors import UserError
-from megabam.parallel.pipeline_layers import SHARD_KEY, identity_problem
 from megabam.staging import write_json, write_text
-from megabam.train import rng
 
 META_FILE = "megabam.json"
 MANIFEST_FILE = "manifest.json"

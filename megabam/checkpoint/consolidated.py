@@ -6,7 +6,7 @@ tokenizer, the checkpoint's metadata (megabam.json) and consolidated.json (sourc
 Weights only: the optimizer state stays with the checkpoint. The weights are the ones the model
 computes with (a bf16 run's bf16 weights; --dtype fp32 widens them exactly).
 
-Tensors are read, put together and written one at a time (megabam/convert/reader.py,
+Tensors are read, put together and written one at a time (megabam/checkpoint/reader.py,
 safetensors_out.py), so peak memory is about the largest tensor's full size times a small factor.
 """
 
@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from megabam.checkpoint.reader import CheckpointReader
+from megabam.checkpoint.safetensors_io import read_model, weight_files, write_model
+from megabam.checkpoint.store import META_FILE, CheckpointError, CheckpointMeta
 from megabam.config import Config, ConfigError, load_config
 from megabam.config.loader import save_config
-from megabam.convert.reader import CheckpointReader
-from megabam.convert.safetensors_out import read_model, weight_files, write_model
 from megabam.data.tokenizer import copy_tokenizer, load_tokenizer, tokenizer_in
 from megabam.model import Decoder
 from megabam.staging import check_output, staged_folder
-from megabam.train.checkpoint import META_FILE, CheckpointError, CheckpointMeta
 
 MARKER = "consolidated.json"
 FORMAT = "megabam-consolidated"
