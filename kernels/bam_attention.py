@@ -9,6 +9,7 @@ O(N·w).
 """
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -272,67 +273,88 @@ class _BAMAttention(torch.autograd.Function):
         )
 
 
-def check_arguments(q: Tensor, k: Tensor, v: Tensor, theta_alpha, theta_beta, theta_mu, window) -> None:
-    """The argument rules every implementation of the op shares."""
-    h, h_k, h_v = q.shape[1], k.shape[1], v.shape[1]
-    if h_k != h_v:
-        raise ValueError(f"k and v must have the same number of heads, got {h_k} and {h_v}")
-    if h_k < 1 or h % h_k:
-        raise ValueError(
-            f"k and v have {h_k} heads, which does not divide q's {h} heads "
-            f"(grouped-query attention needs H_kv to divide H)"
-        )
-    if (theta_alpha is None) != (theta_beta is None):
-        raise ValueError("theta_alpha and theta_beta must be given together")
-    if theta_mu is not None and theta_alpha is None:
-        raise ValueError("theta_mu needs theta_alpha and theta_beta")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+@dataclass(frozen=True, eq=False)  # eq=False: == and hash by identity, never comparing tensors
+class AttentionOptions:
+    """What one call of BAM attention computes besides q, k, v: the one options argument of every form
+    of the op (bam_attention, bam_attention_cpu, bam_attention_sdpa, bam_attention_triton,
+    dense_bam_attention, dense_bam_weights), which kernels/dispatch.py passes through. Its own rules
+    are checked when it is made; `check` adds those on q, k, v.
 
-
-def bam_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    theta_alpha: Tensor | None = None,
-    theta_beta: Tensor | None = None,
-    theta_mu: Tensor | None = None,
-    ssmax_s: Tensor | None = None,
-    ssmax_before_prior: bool = False,
-    doc_ids: Tensor | None = None,
-    window: int | None = None,
-    block_size: int = 128,
-    scale: float | None = None,
-) -> Tensor:
-    """Causal attention with the BAM GGD log-prior and SSMax, tiled so no N x N tensor exists.
-
-    q: (B, H, N, D), k, v: (B, H_kv, N, D) with H_kv dividing H, of any float dtype; computed in fp32
-    (fp64 for fp64 inputs), returned in q's dtype. Grouped-query attention when H_kv < H: query head
-    h reads key/value head h // (H // H_kv) (consecutive query heads share one, as in Llama and
-    Megatron); θα, θβ, θμ and s stay per query head (H,). Row i may attend to key j iff j <= i,
-    i - window < j (window counts the token itself) and doc_ids[b, j] == doc_ids[b, i] (documents
-    are contiguous runs of equal ids).
+    Masks: row i may attend to key j iff j <= i, i - window < j (`window` counts the token itself;
+    None: no window) and doc_ids[b, j] == doc_ids[b, i] (`doc_ids` (B, N), documents being contiguous
+    runs of equal ids; None: one document).
 
     Prior (theta_alpha, theta_beta given, (H,) each; theta_mu (H,) or None for μ = 0):
     prior_ij = -exp(θα)·(|j - i - μ| + 1e-5)^θβ with μ = 2·sinh(θμ); θβ is used raw (β < 0 allowed).
     SSMax (ssmax_s (H,) given): with n_i the number of keys row i may attend to, logits are
     (q·k·scale + prior)·s·ln n_i, or q·k·scale·s·ln n_i + prior if ssmax_before_prior.
-    scale defaults to 1/sqrt(D). Gradients flow to q, k, v and to every θ / s that requires grad.
+    θα, θβ, θμ and s are per query head; gradients flow to each one that requires grad. `scale`
+    defaults to 1/sqrt(D). `block_size`: query rows per tile of the tiled ops, whose memory is
+    O(block_size · keys); the fused kernels choose their own tiles.
     """
-    check_arguments(q, k, v, theta_alpha, theta_beta, theta_mu, window)
-    k, v, lo, scale = tiled_inputs(q, k, v, doc_ids, window, scale)
+
+    theta_alpha: Tensor | None = None
+    theta_beta: Tensor | None = None
+    theta_mu: Tensor | None = None
+    ssmax_s: Tensor | None = None
+    ssmax_before_prior: bool = False
+    doc_ids: Tensor | None = None
+    window: int | None = None
+    block_size: int = 128
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.theta_alpha is None) != (self.theta_beta is None):
+            raise ValueError("theta_alpha and theta_beta must be given together")
+        if self.theta_mu is not None and self.theta_alpha is None:
+            raise ValueError("theta_mu needs theta_alpha and theta_beta")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+    def check(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        """The rules on q, k, v every form of the op shares: k and v have one head count, dividing q's."""
+        h, h_k, h_v = q.shape[1], k.shape[1], v.shape[1]
+        if h_k != h_v:
+            raise ValueError(f"k and v must have the same number of heads, got {h_k} and {h_v}")
+        if h_k < 1 or h % h_k:
+            raise ValueError(
+                f"k and v have {h_k} heads, which does not divide q's {h} heads "
+                f"(grouped-query attention needs H_kv to divide H)"
+            )
+
+    @property
+    def head_tensors(self) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+        """(θα, θβ, θμ, s), in the order the ops' autograd functions take them."""
+        return self.theta_alpha, self.theta_beta, self.theta_mu, self.ssmax_s
+
+    def head_scale(self, head_dim: int) -> float:
+        """The logits' scale: `scale`, or 1/sqrt(head_dim) by default."""
+        return head_dim**-0.5 if self.scale is None else float(self.scale)
+
+
+def bam_attention(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions = AttentionOptions()) -> Tensor:
+    """Causal attention with the BAM GGD log-prior and SSMax, tiled so no N x N tensor exists; the
+    prior, SSMax and masks are those `options` (AttentionOptions) describe.
+
+    q: (B, H, N, D), k, v: (B, H_kv, N, D) with H_kv dividing H, of any float dtype; computed in fp32
+    (fp64 for fp64 inputs), returned in q's dtype. Grouped-query attention when H_kv < H: query head
+    h reads key/value head h // (H // H_kv) (consecutive query heads share one, as in Llama and
+    Megatron); θα, θβ, θμ and s stay per query head (H,). Gradients flow to q, k, v and to every θ /
+    s that requires grad.
+    """
+    options.check(q, k, v)
+    k, v, lo, scale = tiled_inputs(q, k, v, options)
     return _BAMAttention.apply(
-        q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo, ssmax_before_prior, block_size, scale, window
+        q, k, v, *options.head_tensors, lo, options.ssmax_before_prior, options.block_size, scale, options.window
     )
 
 
-def tiled_inputs(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, window: int | None, scale):
+def tiled_inputs(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions):
     """(k, v with a copy per query head, lo, scale): what the tiled ops (this one and the C tiles')
     take from bam_attention's arguments."""
     N, D = q.shape[-2:]
-    lo = key_start(doc_ids, window, N, q.device)
-    scale = D**-0.5 if scale is None else float(scale)
+    lo = key_start(options.doc_ids, options.window, N, q.device)
+    scale = options.head_scale(D)
     if k.shape[1] != q.shape[1]:
         # Grouped-query attention, the obviously-correct way: give every query head its own copy of
         # its group's key/value head and run the per-head op. repeat_interleave's backward sums the
@@ -345,26 +367,31 @@ def tiled_inputs(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None, window
 
 
 def dense_bam_attention(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, in_order: bool = False, **options
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    options: AttentionOptions = AttentionOptions(),
+    in_order: bool = False,
 ) -> Tensor:
     """The op's attention (same prior, SSMax and masks, one document) of queries at stream positions
     q_pos (C,) to keys at k_pos (S,), for streaming inference against a KV cache. k_pos -1 marks an
     empty cache slot. q (B, H, C, D), k, v (B, H_kv, S, D); computed in the compute dtype, returned in
-    q's dtype. No gradients of its own: inference only. `options` are `dense_bam_weights`'.
+    q's dtype. No gradients of its own: inference only. `options` as for `dense_bam_weights`.
 
     `in_order`: the caller's promise that the keys are positions 0..S-1 and the queries the last C of
     them, without a window (a prompt read in chunks against a growing KV cache). Then the queries are
     computed block by block with the tiled op's `block_logits` (the prior a Toeplitz view, R + C - 1
     values per head) instead of as C × S dense logits."""
-    if v.shape[1] != k.shape[1]:
-        raise ValueError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
+    options.check(q, k, v)
     group = q.shape[1] // k.shape[1]
     v = v.repeat_interleave(group, 1)
     if in_order:
-        if options.get("window") is not None:
+        if options.window is not None:
             raise ValueError("in_order attention has no window (a window's keys are a ring, not in order)")
-        return _in_order(q, k.repeat_interleave(group, 1), v, dense_params(q, k, **options))
-    probs = dense_bam_weights(q, k, q_pos, k_pos, **options)
+        return _in_order(q, k.repeat_interleave(group, 1), v, dense_params(q, k, options))
+    probs = dense_bam_weights(q, k, q_pos, k_pos, options)
     return (probs @ v.to(probs.dtype)).to(q.dtype)
 
 
@@ -386,34 +413,24 @@ def _in_order(q: Tensor, k: Tensor, v: Tensor, p: BamParams, block: int = 128) -
     return out.to(q.dtype)
 
 
-def dense_params(
-    q: Tensor,
-    k: Tensor,
-    *,
-    theta_alpha: Tensor | None = None,
-    theta_beta: Tensor | None = None,
-    theta_mu: Tensor | None = None,
-    ssmax_s: Tensor | None = None,
-    ssmax_before_prior: bool = False,
-    window: int | None = None,
-    scale: float | None = None,
-) -> BamParams:
+def dense_params(q: Tensor, k: Tensor, options: AttentionOptions) -> BamParams:
     """The checked options of dense_bam_attention / dense_bam_weights as the op's parameters."""
-    check_arguments(q, k, k, theta_alpha, theta_beta, theta_mu, window)
+    options.check(q, k, k)
+    if options.doc_ids is not None:
+        raise ValueError("dense attention computes one document (a stream): doc_ids must be None")
     return bam_params(
-        compute_dtype(q),
-        (theta_alpha, theta_beta, theta_mu, ssmax_s),
-        ssmax_before_prior,
-        q.shape[-1] ** -0.5 if scale is None else float(scale),
+        compute_dtype(q), options.head_tensors, options.ssmax_before_prior, options.head_scale(q.shape[-1])
     )
 
 
-def dense_bam_weights(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, **options) -> Tensor:
+def dense_bam_weights(
+    q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, options: AttentionOptions = AttentionOptions()
+) -> Tensor:
     """The attention probabilities (B, H, C, S) of `dense_bam_attention`, in the compute dtype (also
-    what `megabam plot attention` draws). `options`: theta_alpha, theta_beta, theta_mu, ssmax_s,
-    ssmax_before_prior, window, scale, as for bam_attention."""
-    p = dense_params(q, k, **options)
-    window = options.get("window")
+    what `megabam plot attention` draws). `options`: the op's AttentionOptions, one document (no
+    doc_ids); block_size is not read."""
+    p = dense_params(q, k, options)
+    window = options.window
     dtype = compute_dtype(q)
     group = q.shape[1] // k.shape[1]  # each key/value head serves `group` query heads
     qc, kc = q.to(dtype), k.to(dtype).repeat_interleave(group, 1)

@@ -26,8 +26,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from megabam.kernels.bam_attention import (
+    AttentionOptions,
     bam_params,
-    check_arguments,
     prior_grads,
     prior_scaled,
     prior_terms,
@@ -178,28 +178,14 @@ class _BAMAttentionCPU(torch.autograd.Function):
         return (*needed, None, None, None)
 
 
-def bam_attention_cpu(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    theta_alpha: Tensor | None = None,
-    theta_beta: Tensor | None = None,
-    theta_mu: Tensor | None = None,
-    ssmax_s: Tensor | None = None,
-    ssmax_before_prior: bool = False,
-    doc_ids: Tensor | None = None,
-    window: int | None = None,
-    block_size: int = 128,
-    scale: float | None = None,
-) -> Tensor:
+def bam_attention_cpu(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions = AttentionOptions()) -> Tensor:
     """megabam.kernels.bam_attention.bam_attention (same arguments and result) on CPU tensors, with
-    the fused C kernel; needs library() to be built. `block_size` is accepted for the shared signature:
-    the kernel's tiles are its own (64 rows by 64 keys) and its memory does not depend on them."""
-    check_arguments(q, k, v, theta_alpha, theta_beta, theta_mu, window)
+    the fused C kernel; needs library() to be built. `options.block_size` is not read: the kernel's
+    tiles are its own (64 rows by 64 keys) and its memory does not depend on them."""
+    options.check(q, k, v)
     if q.is_cuda or library() is None:
         raise ValueError("bam_attention_cpu needs CPU tensors and the built C kernel (library())")
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"bam_attention_cpu needs v's head width to be q's, got {v.shape[-1]} and {q.shape[-1]}")
-    k, v, lo, scale = tiled_inputs(q, k, v, doc_ids, window, scale)
-    return _BAMAttentionCPU.apply(q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo, ssmax_before_prior, scale)
+    k, v, lo, scale = tiled_inputs(q, k, v, options)
+    return _BAMAttentionCPU.apply(q, k, v, *options.head_tensors, lo, options.ssmax_before_prior, scale)

@@ -24,40 +24,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megabam.kernels.bam_attention import bam_params, check_arguments, key_start, prior_terms, query_blocks
+from megabam.kernels.bam_attention import AttentionOptions, bam_params, key_start, prior_terms, query_blocks
 from megabam.kernels.precision import compute_dtype
 
 
-def applies(
-    theta_alpha=None, theta_beta=None, theta_mu=None, ssmax_s=None, ssmax_before_prior=False, doc_ids=None, **kw
-) -> bool:
-    """Whether bam_attention_sdpa computes a call with these bam_attention options."""
-    if theta_alpha is None:
-        return doc_ids is None or kw.get("window") is not None
-    thetas = (theta_alpha, theta_beta, theta_mu)
+def applies(options: AttentionOptions) -> bool:
+    """Whether bam_attention_sdpa computes a call with these options."""
+    if options.theta_alpha is None:
+        return options.doc_ids is None or options.window is not None
+    thetas = (options.theta_alpha, options.theta_beta, options.theta_mu)
     fixed = not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in thetas)
-    return fixed and doc_ids is None and (ssmax_s is None or ssmax_before_prior)
+    return fixed and options.doc_ids is None and (options.ssmax_s is None or options.ssmax_before_prior)
 
 
-def bam_attention_sdpa(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    theta_alpha: Tensor | None = None,
-    theta_beta: Tensor | None = None,
-    theta_mu: Tensor | None = None,
-    ssmax_s: Tensor | None = None,
-    ssmax_before_prior: bool = False,
-    doc_ids: Tensor | None = None,
-    window: int | None = None,
-    block_size: int = 128,
-    scale: float | None = None,
-) -> Tensor:
+def bam_attention_sdpa(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions = AttentionOptions()) -> Tensor:
     """megabam.kernels.bam_attention.bam_attention (same arguments, masks, SSMax, grouped-query heads,
     compute dtype and result) for the calls `applies` accepts."""
-    check_arguments(q, k, v, theta_alpha, theta_beta, theta_mu, window)
-    if not applies(theta_alpha, theta_beta, theta_mu, ssmax_s, ssmax_before_prior, doc_ids, window=window):
+    options.check(q, k, v)
+    if not applies(options):
         raise ValueError(
             "bam_attention_sdpa computes no prior gradient, no prior scaled by SSMax and no document mask "
             "beside a prior or without a window; use bam_attention"
@@ -65,18 +49,19 @@ def bam_attention_sdpa(
     N, D = q.shape[-2:]
     dtype = compute_dtype(q)
     qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
-    scale = D**-0.5 if scale is None else float(scale)
+    scale = options.head_scale(D)
     gqa = k.shape[1] != q.shape[1]
-    lo = key_start(doc_ids, window, N, q.device)
-    if ssmax_s is not None:  # without a prior, or with the prior outside SSMax's scale
+    lo = key_start(options.doc_ids, options.window, N, q.device)
+    if options.ssmax_s is not None:  # without a prior, or with the prior outside SSMax's scale
         log_n = torch.log((torch.arange(N, device=q.device) - lo + 1).to(dtype))  # (B or 1, N)
-        qc = qc * (ssmax_s.to(dtype)[:, None, None] * log_n[:, None, :, None])
-    if theta_alpha is None and doc_ids is None and window is None:
+        qc = qc * (options.ssmax_s.to(dtype)[:, None, None] * log_n[:, None, :, None])
+    if options.theta_alpha is None and options.doc_ids is None and options.window is None:
         out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
         return out.to(q.dtype)
-    p = None if theta_alpha is None else bam_params(dtype, (theta_alpha, theta_beta, theta_mu, None), False, scale)
+    thetas = (options.theta_alpha, options.theta_beta, options.theta_mu, None)
+    p = None if options.theta_alpha is None else bam_params(dtype, thetas, False, scale)
     blocks = []
-    for qs, qe, ks in query_blocks(lo, N, block_size):
+    for qs, qe, ks in query_blocks(lo, N, options.block_size):
         qb, kb, vb = qc[:, :, qs:qe], kc[:, :, ks:qe], vc[:, :, ks:qe]
         if p is None:
             rows = torch.arange(qs, qe, device=q.device)[:, None]
@@ -89,7 +74,7 @@ def bam_attention_sdpa(
         # The prior and the masks at the R + C - 1 offsets j - i of the block, from its last row's first
         # key on: row r of the reversed block (query qe - 1 - r) reads them from position r on.
         delta = torch.arange(ks - (qe - 1), qe - qs, device=q.device)
-        outside = (delta > 0) | ((delta <= -window) if window is not None else False)
+        outside = (delta > 0) | ((delta <= -options.window) if options.window is not None else False)
         table = prior_terms(p, delta)[0].masked_fill(outside, -math.inf)
         out = F.scaled_dot_product_attention(
             qb.flip(2), kb, vb, attn_mask=table.unfold(1, qe - ks, 1)[None], scale=scale, enable_gqa=gqa

@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from megabam.kernels.bam_attention import EPS, EXP_CAP, check_arguments, key_start
+from megabam.kernels.bam_attention import EPS, EXP_CAP, AttentionOptions, key_start
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The interpreter runs ~1-3 ms per tile iteration whatever the tile size, and autotune with more than
@@ -601,36 +601,21 @@ def key_bounds(doc_ids: Tensor | None, window: int | None, n: int, device) -> tu
     return lo.to(torch.int32), last.to(torch.int32)
 
 
-def bam_attention_triton(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    theta_alpha: Tensor | None = None,
-    theta_beta: Tensor | None = None,
-    theta_mu: Tensor | None = None,
-    ssmax_s: Tensor | None = None,
-    ssmax_before_prior: bool = False,
-    doc_ids: Tensor | None = None,
-    window: int | None = None,
-    block_size: int = 128,
-    scale: float | None = None,
-) -> Tensor:
+def bam_attention_triton(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions = AttentionOptions()) -> Tensor:
     """kernels.bam_attention.bam_attention as fused Triton kernels (same arguments and result).
 
     q: (B, H, N, D), k, v: (B, H_kv, N, D) with H_kv dividing H (grouped-query attention: query head
     h reads head h // (H // H_kv)), fp32, fp16 or bf16 (any strides); computed with fp32
-    accumulation and returned in q's dtype; dk, dv have k's and v's shape. block_size is accepted
-    for signature parity and unused: the kernels' tiles come from autotuning (16 when interpreting).
+    accumulation and returned in q's dtype; dk, dv have k's and v's shape. `options.block_size` is
+    not read: the kernels' tiles come from autotuning (16 when interpreting).
     """
-    check_arguments(q, k, v, theta_alpha, theta_beta, theta_mu, window)
+    options.check(q, k, v)
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(
             f"the Triton BAM kernel takes fp32, fp16 or bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
     N, D = q.shape[-2:]
-    lo, last = key_bounds(doc_ids, window, N, q.device)
-    scale = D**-0.5 if scale is None else float(scale)
+    lo, last = key_bounds(options.doc_ids, options.window, N, q.device)
     return _BAMAttentionTriton.apply(
-        q, k, v, theta_alpha, theta_beta, theta_mu, ssmax_s, lo, last, ssmax_before_prior, scale
+        q, k, v, *options.head_tensors, lo, last, options.ssmax_before_prior, options.head_scale(D)
     )

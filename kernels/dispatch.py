@@ -17,11 +17,12 @@ without editing its config. Each op's choice is logged once per process (per mod
 import importlib
 import logging
 import os
+from dataclasses import replace
 
 from torch import Tensor
 
 from megabam.kernels import bam_attention_sdpa
-from megabam.kernels.bam_attention import bam_attention
+from megabam.kernels.bam_attention import AttentionOptions, bam_attention
 from megabam.kernels.mlstm import MLstmState
 from megabam.kernels.mlstm import mlstm_chunkwise as mlstm_chunkwise_reference
 from megabam.kernels.precision import compute_dtype
@@ -111,11 +112,12 @@ def c_tiles_wide() -> bool:
     return importlib.import_module(C_TILES).wide_vectors()
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **options) -> Tensor:
-    """BAM attention on the op that `choose` picks: `options` (theta_alpha, theta_beta, theta_mu,
-    ssmax_s, ssmax_before_prior, doc_ids, window, block_size, scale) and the result are those of
-    megabam.kernels.bam_attention.bam_attention, which the other ops share."""
-    sdpa_applies = bam_attention_sdpa.applies(**options)
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions = AttentionOptions(), *, backend: str = "auto"
+) -> Tensor:
+    """BAM attention on the op that `choose` picks: `options` (AttentionOptions) and the result are
+    those of megabam.kernels.bam_attention.bam_attention, which the other ops share."""
+    sdpa_applies = bam_attention_sdpa.applies(options)
 
     def c_tiles_apply() -> bool:
         return v.shape[-1] == q.shape[-1] and c_tiles_built() and (not sdpa_applies or c_tiles_wide())
@@ -130,10 +132,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto", **optio
         # Its memory does not grow with the query block (the masks are views, the tiles its own), and
         # each fused call costs a fixed ~0.3 ms: below SDPA_MIN_BLOCK rows per call the calls cost more
         # than the masked work a larger diagonal block adds (docs/log/benchmarks-history.md, "CPU training speed").
-        options = {**options, "block_size": max(options.get("block_size", SDPA_MIN_BLOCK), SDPA_MIN_BLOCK)}
+        options = replace(options, block_size=max(options.block_size, SDPA_MIN_BLOCK))
     else:
         op = bam_attention
-    return op(q, k, v, **options)
+    return op(q, k, v, options)
 
 
 def mlstm_chunkwise(

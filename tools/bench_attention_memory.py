@@ -50,7 +50,7 @@ def run_case(args):
     import torch
 
     from megabam.kernels import dispatch
-    from megabam.kernels.bam_attention import bam_attention
+    from megabam.kernels.bam_attention import AttentionOptions, bam_attention
     from megabam.kernels.bam_attention_cpu import bam_attention_cpu
     from megabam.model.positional import alibi_slopes
     from megabam.parallel.threads import configure_cpu
@@ -70,19 +70,16 @@ def run_case(args):
             out = dense_attention(*ins, window=args.window)
         elif args.case == "fused":
             slopes = alibi_slopes(args.heads).log()
-            out = dispatch.attention(  # as the model calls it: the fused op, at least 256 query rows per call
-                *ins[:3],
-                theta_alpha=slopes,
-                theta_beta=torch.ones(args.heads),
-                window=args.window,
-                block_size=args.block,
+            options = AttentionOptions(
+                theta_alpha=slopes, theta_beta=torch.ones(args.heads), window=args.window, block_size=args.block
             )
+            # as the model calls it: the fused op, at least 256 query rows per call
+            out = dispatch.attention(*ins[:3], options)
             torch.autograd.grad(out, ins[:3], dout)
             return
         else:
             op = bam_attention_cpu if args.case == "c_tiles" else bam_attention
-            out = op(
-                *ins[:3],
+            options = AttentionOptions(
                 theta_alpha=ins[3],
                 theta_beta=ins[4],
                 theta_mu=ins[5],
@@ -90,6 +87,7 @@ def run_case(args):
                 window=args.window,
                 block_size=args.block,
             )
+            out = op(*ins[:3], options)
         torch.autograd.grad(out, ins, dout)
 
     step(*inputs(2 * args.block))  # warm-up, so one-time initialisation lands in the baseline

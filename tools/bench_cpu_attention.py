@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from megabam.kernels.bam_attention import bam_attention
+from megabam.kernels.bam_attention import AttentionOptions, bam_attention
 from megabam.kernels.bam_attention_cpu import bam_attention_cpu, library
 from megabam.parallel.threads import configure_cpu
 
@@ -47,11 +47,11 @@ def main() -> None:
         alpha = torch.full((H,), -1.0, requires_grad=True)
         beta = torch.tensor([1.0, 0.0, -0.5, 1.5] * (H // 4) + [1.0] * (H % 4), requires_grad=True)
         s = torch.full((H,), 0.18, requires_grad=True)
-        prior = dict(theta_alpha=alpha, theta_beta=beta, ssmax_s=s, block_size=args.block)
+        prior = AttentionOptions(theta_alpha=alpha, theta_beta=beta, ssmax_s=s, block_size=args.block)
         ops = {
             "sdpa causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-            "reference": lambda: bam_attention(q, k, v, **prior),
-            "c_tiles": lambda: bam_attention_cpu(q, k, v, **prior),
+            "reference": lambda: bam_attention(q, k, v, prior),
+            "c_tiles": lambda: bam_attention_cpu(q, k, v, prior),
             "c_tiles, no prior": lambda: bam_attention_cpu(q, k, v),
         }
         times = {name: [] for name in ops}

@@ -120,10 +120,10 @@ class Bench:
         self.device = "cpu" if args.dry_run else "cuda"
         # The interpreter's bf16 arithmetic is wrong: the dry run uses fp32.
         self.dtype = torch.float32 if args.dry_run else torch.bfloat16
-        from megabam.kernels.bam_attention import bam_attention
+        from megabam.kernels.bam_attention import AttentionOptions, bam_attention
         from megabam.kernels.bam_attention_triton import bam_attention_triton
 
-        self.reference, self.fused = bam_attention, bam_attention_triton
+        self.reference, self.fused, self.options = bam_attention, bam_attention_triton, AttentionOptions
         from megabam.kernels.mlstm import mlstm_chunkwise
         from megabam.kernels.mlstm_triton import mlstm_chunkwise_triton
 
@@ -149,23 +149,17 @@ class Bench:
         ]
         return [t.requires_grad_() for t in qkv + theta]
 
+    def options_of(self, ins, **masks):
+        """The attention options of a call with the θα, θβ, θμ and s of `ins` (3..6) and `masks`."""
+        return self.options(theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5], ssmax_s=ins[6], **masks)
+
     # --- the variants: each maps (inputs, window) to the output --------------------------------
 
     def bam(self, ins, window):
-        return self.fused(
-            *ins[:3], theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5], ssmax_s=ins[6], window=window
-        )
+        return self.fused(*ins[:3], self.options_of(ins, window=window))
 
     def ref(self, ins, window):
-        return self.reference(
-            *ins[:3],
-            theta_alpha=ins[3],
-            theta_beta=ins[4],
-            theta_mu=ins[5],
-            ssmax_s=ins[6],
-            window=window,
-            block_size=128,
-        )
+        return self.reference(*ins[:3], self.options_of(ins, window=window, block_size=128))
 
     def sdpa(self, ins, window):
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -251,16 +245,13 @@ class Bench:
         doc = torch.arange(n, device=self.device).div(n // 3 + 1, rounding_mode="floor")[None]
 
         def setup(heads, kv_heads=None):
-            """Inputs, their fp32 copies, the reference's θ arguments and an output gradient."""
+            """Inputs, their fp32 copies and an output gradient."""
             ins = self.inputs(n, heads, kv_heads)
             ref_ins = [t.detach().float().requires_grad_() for t in ins]
-            kw = dict(theta_alpha=ref_ins[3], theta_beta=ref_ins[4], theta_mu=ref_ins[5], ssmax_s=ref_ins[6])
-            return ins, ref_ins, kw, torch.randn(ins[0].shape, device=self.device, dtype=self.dtype)
+            return ins, ref_ins, torch.randn(ins[0].shape, device=self.device, dtype=self.dtype)
 
         def bam(x, w):
-            return self.fused(
-                *x[:3], theta_alpha=x[3], theta_beta=x[4], theta_mu=x[5], ssmax_s=x[6], doc_ids=doc, window=w
-            )
+            return self.fused(*x[:3], self.options_of(x, doc_ids=doc, window=w))
 
         ok = True
         mha = setup(self.args.heads)
@@ -269,8 +260,10 @@ class Bench:
             cases.append(("flex", self.flex, None, None, *mha))
         if self.args.gqa:  # the kernel with k, v shared by groups of query heads
             cases.append((f"bam gqa {self.args.gqa[0]}/{self.args.gqa[1]}", bam, doc, n // 4, *setup(*self.args.gqa)))
-        for name, fn, doc_ids, window, ins, ref_ins, kw, dout in cases:
-            want = self.reference(*ref_ins[:3], **kw, doc_ids=doc_ids, window=window, block_size=128)
+        for name, fn, doc_ids, window, ins, ref_ins, dout in cases:
+            want = self.reference(
+                *ref_ins[:3], self.options_of(ref_ins, doc_ids=doc_ids, window=window, block_size=128)
+            )
             want_grads = torch.autograd.grad(want, ref_ins[:3], dout.float())
             got = []
             try:  # a failing variant is reported; only the kernel's failure stops the run

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from megabam.config.schema import AttentionConfig, ModelConfig
-from megabam.kernels.bam_attention import dense_bam_attention, dense_bam_weights
+from megabam.kernels.bam_attention import AttentionOptions, dense_bam_attention, dense_bam_weights
 from megabam.kernels.dispatch import attention
 from megabam.model.layers import SequenceInfo
 from megabam.model.positional import AlibiPrior, BamPrior, apply_rope, rope_rotation
@@ -102,16 +102,19 @@ class Attention(nn.Module):
         q, k = qk.split([self.n_heads, self.kv_heads], dim=2)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def _head_options(self, seq: SequenceInfo) -> dict:
-        """The prior, SSMax and window arguments every form of the op takes."""
+    def _options(self, seq: SequenceInfo) -> AttentionOptions:
+        """The options of this call of the op: made per call, since θ and s are parameters that each
+        step updates."""
         theta_alpha, theta_beta, theta_mu = self.prior() if self.prior is not None else (None, None, None)
-        return dict(
+        return AttentionOptions(
             theta_alpha=theta_alpha,
             theta_beta=theta_beta,
             theta_mu=theta_mu,
             ssmax_s=self.ssmax_s,
             ssmax_before_prior=self.ssmax_before_prior,
+            doc_ids=seq.doc_ids if self.document_aware else None,
             window=self.window_of(seq),
+            block_size=self.block_size,
         )
 
     @torch.no_grad()
@@ -119,20 +122,12 @@ class Attention(nn.Module):
         """The attention probabilities (B, n_heads, N, N) of one document x (B, N, d), for plots."""
         q, k, _ = self._project(x)
         positions = torch.arange(x.shape[1], device=x.device)
-        return dense_bam_weights(q, k, positions, positions, **self._head_options(SequenceInfo()))
+        return dense_bam_weights(q, k, positions, positions, self._options(SequenceInfo()))
 
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         B, N, _ = x.shape
         q, k, v = self._project(x)
-        y = attention(
-            q,
-            k,
-            v,
-            **self._head_options(seq),
-            doc_ids=seq.doc_ids if self.document_aware else None,
-            block_size=self.block_size,
-            backend=self.backend,
-        )
+        y = attention(q, k, v, self._options(seq), backend=self.backend)
         return self.out(y.transpose(1, 2).reshape(B, N, -1))
 
     def stream(self, x: torch.Tensor, cache: KVCache | None, seq: SequenceInfo) -> tuple[torch.Tensor, KVCache]:
@@ -162,8 +157,8 @@ class Attention(nn.Module):
             values,
             new_pos,
             torch.cat([cache.positions, new_pos]),
+            self._options(seq),
             in_order=window is None,
-            **self._head_options(seq),
         )
         if window is None:
             cache = KVCache(keys, values, torch.cat([cache.positions, new_pos]), start + C)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from helpers.attention_reference import dense_reference
 
 import megabam.kernels.bam_attention_sdpa as sdpa
+from megabam.kernels.bam_attention import AttentionOptions
 from megabam.kernels.bam_attention_sdpa import applies, bam_attention_sdpa
 
 B, H, N, D, BLOCK = 2, 4, 45, 8, 16  # N not a multiple of BLOCK on purpose
@@ -34,10 +35,8 @@ def test_matches_dense_reference(dtype, tol, ssmax, window, doc, kv_heads):
     q, k, v, s = inputs(dtype, kv_heads)
     doc_ids = DOCS if doc else None
     wrt = [q, k, v, s] if ssmax else [q, k, v]
-    got = gradients(
-        bam_attention_sdpa(q, k, v, ssmax_s=s if ssmax else None, doc_ids=doc_ids, window=window, block_size=BLOCK),
-        wrt,
-    )
+    options = AttentionOptions(ssmax_s=s if ssmax else None, doc_ids=doc_ids, window=window, block_size=BLOCK)
+    got = gradients(bam_attention_sdpa(q, k, v, options), wrt)
     ref_in = [t.detach().double().requires_grad_() for t in wrt]
     group = H // kv_heads  # the formula's heads: each key/value head copied for its query heads
     rk, rv = (t.repeat_interleave(group, dim=1) for t in ref_in[1:3])
@@ -66,7 +65,7 @@ def test_fixed_prior_matches_dense_reference(dtype, tol, ssmax, window, kv_heads
     )
     wrt = [q, k, v, s] if ssmax else [q, k, v]
     sm = dict(ssmax_s=s, ssmax_before_prior=True) if ssmax else {}
-    got = gradients(bam_attention_sdpa(q, k, v, **theta, **sm, window=window, block_size=BLOCK), wrt)
+    got = gradients(bam_attention_sdpa(q, k, v, AttentionOptions(**theta, **sm, window=window, block_size=BLOCK)), wrt)
     ref_in = [t.detach().double().requires_grad_() for t in wrt]
     rk, rv = (t.repeat_interleave(H // kv_heads, dim=1) for t in ref_in[1:3])
     a, b, m = (t.double() for t in theta.values())
@@ -79,8 +78,9 @@ def test_fixed_prior_matches_dense_reference(dtype, tol, ssmax, window, kv_heads
 
 def test_low_precision_inputs_return_their_dtype():
     q, k, v, s = inputs(torch.float64)
-    ref = bam_attention_sdpa(q, k, v, ssmax_s=s, window=5, block_size=BLOCK)
-    out = bam_attention_sdpa(*(t.detach().bfloat16() for t in (q, k, v)), ssmax_s=s, window=5, block_size=BLOCK)
+    options = AttentionOptions(ssmax_s=s, window=5, block_size=BLOCK)
+    ref = bam_attention_sdpa(q, k, v, options)
+    out = bam_attention_sdpa(*(t.detach().bfloat16() for t in (q, k, v)), options)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), ref.detach(), atol=3e-2, rtol=3e-2)
 
@@ -90,17 +90,22 @@ def test_applies_where_no_prior_gradient_and_bounded_masks_are_needed():
     s = torch.ones(2, requires_grad=True)
     fixed = dict(theta_alpha=torch.zeros(2), theta_beta=torch.ones(2))
     learned = dict(theta_alpha=torch.zeros(2, requires_grad=True), theta_beta=torch.ones(2, requires_grad=True))
-    assert applies() and applies(window=4) and applies(doc_ids=docs, window=4) and applies(ssmax_s=s)
-    assert not applies(doc_ids=docs)  # masks up to block × N saved per block: the tiled op
-    assert applies(**fixed) and applies(**fixed, window=4) and applies(**fixed, ssmax_s=s, ssmax_before_prior=True)
-    assert not applies(**learned)  # a learned prior needs its gradient: the tiled op
-    assert not applies(**fixed, ssmax_s=s)  # c·prior is no longer a function of j - i
-    assert not applies(**fixed, doc_ids=docs, window=4)  # nor is a document mask
+
+    def applies_to(**options):
+        return applies(AttentionOptions(**options))
+
+    assert applies_to() and applies_to(window=4) and applies_to(doc_ids=docs, window=4) and applies_to(ssmax_s=s)
+    assert not applies_to(doc_ids=docs)  # masks up to block × N saved per block: the tiled op
+    assert applies_to(**fixed) and applies_to(**fixed, window=4)
+    assert applies_to(**fixed, ssmax_s=s, ssmax_before_prior=True)
+    assert not applies_to(**learned)  # a learned prior needs its gradient: the tiled op
+    assert not applies_to(**fixed, ssmax_s=s)  # c·prior is no longer a function of j - i
+    assert not applies_to(**fixed, doc_ids=docs, window=4)  # nor is a document mask
     with torch.no_grad():  # inference needs no gradient of any prior
-        assert applies(**learned)
+        assert applies_to(**learned)
     q = torch.zeros(1, 2, 8, 4)
     with pytest.raises(ValueError, match="computes no prior gradient"):
-        bam_attention_sdpa(q, q, q, **learned)
+        bam_attention_sdpa(q, q, q, AttentionOptions(**learned))
 
 
 def test_window_bounds_key_columns(monkeypatch):
@@ -114,5 +119,5 @@ def test_window_bounds_key_columns(monkeypatch):
     monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", counting)
     n, w, blk = 200, 7, 16
     q = torch.randn(1, 2, n, 4, requires_grad=True)
-    bam_attention_sdpa(q, q, q, window=w, block_size=blk).sum().backward()
+    bam_attention_sdpa(q, q, q, AttentionOptions(window=w, block_size=blk)).sum().backward()
     assert len(widths) == -(-n // blk) and max(widths) <= blk + w - 1

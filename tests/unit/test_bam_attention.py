@@ -13,7 +13,7 @@ from helpers.attention_reference import dense_reference
 
 import megabam.kernels.bam_attention as bam
 import megabam.kernels.bam_attention_cpu as c_tiles
-from megabam.kernels.bam_attention import bam_attention
+from megabam.kernels.bam_attention import AttentionOptions, bam_attention
 
 B, H, N, D, BLOCK = 2, 3, 37, 8, 16  # N not a multiple of BLOCK on purpose
 
@@ -49,8 +49,7 @@ def run_both(op, dtype, ssmax, doc, window, seed=0):
     ins = make_inputs(dtype, seed)
     doc_ids = DOCS if doc else None
     s = ins[6] if ssmax else None
-    out = op(
-        *ins[:3],
+    options = AttentionOptions(
         theta_alpha=ins[3],
         theta_beta=ins[4],
         theta_mu=ins[5],
@@ -60,6 +59,7 @@ def run_both(op, dtype, ssmax, doc, window, seed=0):
         window=window,
         block_size=BLOCK,
     )
+    out = op(*ins[:3], options)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     wrt = ins if ssmax else ins[:6]
     grads = torch.autograd.grad(out, wrt, dout.to(dtype))
@@ -91,10 +91,10 @@ def test_matches_dense_reference(op, ssmax, doc, window):
 
 def test_low_precision_inputs_return_their_dtype(op):
     ins = make_inputs(torch.float64)
-    kw = dict(theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5], ssmax_s=ins[6], block_size=BLOCK)
-    ref = bam_attention(*ins[:3], **kw)
+    options = AttentionOptions(theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5], ssmax_s=ins[6], block_size=BLOCK)
+    ref = bam_attention(*ins[:3], options)
     for dtype in (torch.bfloat16, torch.float16):
-        out = op(*(t.detach().to(dtype) for t in ins[:3]), **kw)
+        out = op(*(t.detach().to(dtype) for t in ins[:3]), options)
         assert out.dtype == dtype
         torch.testing.assert_close(out.double(), ref.detach(), atol=3e-2, rtol=3e-2)
 
@@ -134,11 +134,11 @@ def test_beta_one_is_alibi_and_beta_zero_is_nope(op):
     n = torch.arange(N)
     alibi = -torch.exp(alpha)[:, None, None] * (n[None, :] - n[:, None]).abs()
     logits = (q @ k.transpose(-1, -2) / math.sqrt(D) + alibi).masked_fill(n[None] > n[:, None], -math.inf)
-    out = op(q, k, v, theta_alpha=alpha, theta_beta=one, block_size=BLOCK)
+    out = op(q, k, v, AttentionOptions(theta_alpha=alpha, theta_beta=one, block_size=BLOCK))
     torch.testing.assert_close(out, torch.softmax(logits, -1) @ v, rtol=0, atol=1e-12)
     # β = 0: constant prior, i.e. NoPE.
-    out = op(q, k, v, theta_alpha=alpha, theta_beta=zero, block_size=BLOCK)
-    torch.testing.assert_close(out, bam_attention(q, k, v, block_size=BLOCK), rtol=0, atol=1e-12)
+    out = op(q, k, v, AttentionOptions(theta_alpha=alpha, theta_beta=zero, block_size=BLOCK))
+    torch.testing.assert_close(out, bam_attention(q, k, v, AttentionOptions(block_size=BLOCK)), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -146,8 +146,7 @@ def test_beta_one_is_alibi_and_beta_zero_is_nope(op):
 def test_no_nan_for_wide_theta(op, dtype, ssmax):
     for seed in range(4):
         ins = make_inputs(dtype, seed, n=150, wide=True)
-        out = op(
-            *ins[:3],
+        options = AttentionOptions(
             theta_alpha=ins[3],
             theta_beta=ins[4],
             theta_mu=ins[5],
@@ -157,6 +156,7 @@ def test_no_nan_for_wide_theta(op, dtype, ssmax):
             doc_ids=torch.arange(150).div(60, rounding_mode="floor").expand(B, -1),
             block_size=32,
         )
+        out = op(*ins[:3], options)
         grads = torch.autograd.grad(out, ins, torch.randn_like(out))
         for t in (out, *grads):
             assert torch.isfinite(t).all()
@@ -164,7 +164,8 @@ def test_no_nan_for_wide_theta(op, dtype, ssmax):
     for a, b in [(4.0, -30.0), (20.0, 8.0), (-30.0, 30.0)]:
         ins = make_inputs(dtype, n=150)
         th = [torch.full((H,), x, dtype=dtype, requires_grad=True) for x in (a, b, 0.0)] + [ins[6]]
-        out = op(*ins[:3], theta_alpha=th[0], theta_beta=th[1], theta_mu=th[2], ssmax_s=th[3], block_size=32)
+        options = AttentionOptions(theta_alpha=th[0], theta_beta=th[1], theta_mu=th[2], ssmax_s=th[3], block_size=32)
+        out = op(*ins[:3], options)
         for t in (out, *torch.autograd.grad(out, ins[:3] + th, torch.randn_like(out))):
             assert torch.isfinite(t).all()
 
@@ -179,9 +180,10 @@ def test_blocks_inside_one_document_match(op, window):
     q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     theta = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in ([-1.0, 0.3], [0.4, 1.2], [0.7, 1.1])]
     doc = torch.tensor([[0] * 5 + [1] * 37 + [2] * 3])  # blocks of 8: rows 8..39 wholly inside document 1
-    out = op(
-        q, k, v, theta_alpha=theta[0], theta_beta=theta[1], ssmax_s=theta[2], doc_ids=doc, window=window, block_size=8
+    options = AttentionOptions(
+        theta_alpha=theta[0], theta_beta=theta[1], ssmax_s=theta[2], doc_ids=doc, window=window, block_size=8
     )
+    out = op(q, k, v, options)
     ins = [q, k, v, *theta]
     grads = torch.autograd.grad(out.square().sum(), ins)
     ref = dense_reference(q, k, v, theta[0], theta[1], None, s=theta[2], doc_ids=doc, window=window)
@@ -200,14 +202,18 @@ def test_gradcheck(op):
     doc = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
 
     def f(q, k, v, a, b, m, s):
-        return op(q, k, v, theta_alpha=a, theta_beta=b, theta_mu=m, ssmax_s=s, doc_ids=doc, window=3, block_size=4)
+        options = AttentionOptions(
+            theta_alpha=a, theta_beta=b, theta_mu=m, ssmax_s=s, doc_ids=doc, window=3, block_size=4
+        )
+        return op(q, k, v, options)
 
     assert torch.autograd.gradcheck(f, (q, k, v, *theta))
 
 
 def test_no_grad_for_inputs_not_requiring_it(op):
     q, k, v, a, b, m, s = make_inputs(torch.float64)
-    out = op(q, k, v.detach(), theta_alpha=a.detach(), theta_beta=b, theta_mu=m.detach(), ssmax_s=s, block_size=BLOCK)
+    options = AttentionOptions(theta_alpha=a.detach(), theta_beta=b, theta_mu=m.detach(), ssmax_s=s, block_size=BLOCK)
+    out = op(q, k, v.detach(), options)
     out.sum().backward()
     assert v.grad is None and a.grad is None and m.grad is None
     assert b.grad is not None and s.grad is not None and q.grad is not None
@@ -224,7 +230,8 @@ def test_window_bounds_key_columns(monkeypatch):
     monkeypatch.setattr(bam, "block_logits", counting)
     n, w, blk = 200, 7, 16
     ins = make_inputs(torch.float32, n=n)
-    out = bam_attention(*ins[:3], theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6], window=w, block_size=blk)
+    options = AttentionOptions(theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6], window=w, block_size=blk)
+    out = bam_attention(*ins[:3], options)
     out.sum().backward()
     assert len(widths) == 2 * math.ceil(n / blk)  # forward + backward, one call per query block
     assert max(widths) <= blk + w - 1
@@ -242,7 +249,8 @@ def test_c_tiles_window_bounds_key_columns(monkeypatch):
     monkeypatch.setattr(c_tiles, "block_key_starts", recording)
     n, w, rows = 200, 7, c_tiles.tile_rows()
     ins = make_inputs(torch.float32, n=n)
-    out = c_tiles.bam_attention_cpu(*ins[:3], theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6], window=w)
+    options = AttentionOptions(theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6], window=w)
+    out = c_tiles.bam_attention_cpu(*ins[:3], options)
     out.sum().backward()
     assert len(starts) == 2  # forward and backward
     ends = torch.arange(rows, n + rows, rows).clamp(max=n)
@@ -289,18 +297,19 @@ def assert_c_tiles_match_dense(dim, dtype):
     q, k, v = (torch.randn(1, heads, n, dim, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
     theta = [torch.tensor(x, dtype=dtype, requires_grad=True) for x in ([-1.0, -2.0], [-0.6, 1.3], [0.2, 1.0])]
     docs = torch.tensor([[0] * 40 + [1] * 110])
-    for options in (dict(), dict(window=90, doc_ids=docs)):
-        out = c_tiles.bam_attention_cpu(q, k, v, theta_alpha=theta[0], theta_beta=theta[1], ssmax_s=theta[2], **options)
+    for masks in (dict(), dict(window=90, doc_ids=docs)):
+        options = AttentionOptions(theta_alpha=theta[0], theta_beta=theta[1], ssmax_s=theta[2], **masks)
+        out = c_tiles.bam_attention_cpu(q, k, v, options)
         dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
         got = (out, *torch.autograd.grad(out, (q, k, v, *theta), dout.to(dtype)))
         ref_ins = [t.detach().double().requires_grad_() for t in (q, k, v, *theta)]
-        ref = dense_reference(*ref_ins[:5], None, s=ref_ins[5], **options)
+        ref = dense_reference(*ref_ins[:5], None, s=ref_ins[5], **masks)
         want = (ref, *torch.autograd.grad(ref, ref_ins, dout))
         names = ["out", "dq", "dk", "dv", "dalpha", "dbeta", "ds"]
         tol = 1e-10 if dtype == torch.float64 else 1e-4
         for name, a, b in zip(names, got, want):
             err = (a.double() - b).abs().max().item()
-            assert err <= tol * (1 + b.abs().max().item()), f"{name} {options}: max err {err:.3g}"
+            assert err <= tol * (1 + b.abs().max().item()), f"{name} {masks}: max err {err:.3g}"
 
 
 def test_c_tiles_same_result_on_one_and_two_threads():
@@ -312,9 +321,10 @@ def test_c_tiles_same_result_on_one_and_two_threads():
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
             ins = make_inputs(torch.float32, n=90)
-            out = c_tiles.bam_attention_cpu(
-                *ins[:3], theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6], doc_ids=DOCS[:, :1].expand(B, 90)
+            options = AttentionOptions(
+                theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6], doc_ids=DOCS[:, :1].expand(B, 90)
             )
+            out = c_tiles.bam_attention_cpu(*ins[:3], options)
             results.append([out, *torch.autograd.grad(out.square().sum(), ins[:5] + ins[6:])])
     finally:
         torch.set_num_threads(threads)
@@ -345,7 +355,7 @@ def test_c_tiles_build_is_cached_and_a_failed_build_falls_back(tmp_path, monkeyp
         assert "fused CPU attention tiles unavailable" in caplog.text and "false" in caplog.text
         ran = spy_on_ops(monkeypatch, (dispatch, "bam_attention"), c_tiles=(c_tiles, "bam_attention_cpu"))
         ins = make_inputs(torch.float32)
-        dispatch.attention(*ins[:3], theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6])
+        dispatch.attention(*ins[:3], AttentionOptions(theta_alpha=ins[3], theta_beta=ins[4], ssmax_s=ins[6]))
         assert ran == ["reference"]
     finally:
         c_tiles.library.cache_clear()  # the next test builds or loads from the real cache again
@@ -378,8 +388,7 @@ def test_gqa_matches_dense_reference_with_repeated_kv(op, heads, kv_heads, ssmax
     for dtype, tol, seed in ((torch.float64, 1e-10, 0), (torch.float32, 1e-4, 1)):
         ins = gqa_inputs(dtype, heads, kv_heads, seed)
         s = ins[6] if ssmax else None
-        out = op(
-            *ins[:3],
+        options = AttentionOptions(
             theta_alpha=ins[3],
             theta_beta=ins[4],
             theta_mu=ins[5],
@@ -389,6 +398,7 @@ def test_gqa_matches_dense_reference_with_repeated_kv(op, heads, kv_heads, ssmax
             window=window,
             block_size=BLOCK,
         )
+        out = op(*ins[:3], options)
         assert out.shape == ins[0].shape and out.dtype == dtype
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
         wrt = ins if ssmax else ins[:6]
@@ -426,3 +436,36 @@ def test_gqa_rejects_head_counts_not_dividing(op, heads, kv_heads, match):
         op(q, k, v)
     with pytest.raises(ValueError, match="same number of heads, got 1 and 2"):
         op(q, k[:, :1], torch.cat([v, v], 1)[:, :2])
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(theta_alpha=torch.zeros(H)), "theta_alpha and theta_beta must be given together"),
+        (dict(theta_beta=torch.zeros(H)), "theta_alpha and theta_beta must be given together"),
+        (dict(theta_mu=torch.zeros(H)), "theta_mu needs theta_alpha and theta_beta"),
+        (dict(window=0), "window must be >= 1, got 0"),
+    ],
+)
+def test_options_refuse_incomplete_priors_and_empty_windows(options, match):
+    """The options' own rules hold when they are made, before any op sees them."""
+    with pytest.raises(ValueError, match=match):
+        AttentionOptions(**options)
+
+
+def test_options_are_frozen_and_compared_by_identity():
+    """Frozen, so no op can change a call's options; == and hash by identity, so comparing or hashing
+    options never compares their tensors (which has no single truth value)."""
+    options = AttentionOptions(theta_alpha=torch.zeros(H), theta_beta=torch.ones(H))
+    with pytest.raises(AttributeError):
+        options.window = 4
+    twin = AttentionOptions(theta_alpha=options.theta_alpha, theta_beta=options.theta_beta)
+    assert options == options and options != twin and len({options, twin}) == 2
+
+
+def test_dense_attention_refuses_documents():
+    """A stream is one document: dense_bam_attention has no document mask, so doc_ids are refused."""
+    q = torch.zeros(1, H, 4, D)
+    positions = torch.arange(4)
+    with pytest.raises(ValueError, match="doc_ids must be None"):
+        bam.dense_bam_attention(q, q, q, positions, positions, AttentionOptions(doc_ids=torch.zeros(1, 4)))

@@ -22,17 +22,19 @@ import megabam.kernels.bam_attention_sdpa as attention_sdpa  # noqa: E402
 import megabam.kernels.bam_attention_triton as attention_kernel  # noqa: E402
 import megabam.kernels.mlstm_triton as mlstm_kernel  # noqa: E402
 from megabam.kernels import dispatch  # noqa: E402
+from megabam.kernels.bam_attention import AttentionOptions  # noqa: E402
 
 
 def _attention_call(backend: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 37, 16, generator=g) for _ in range(3))
-    theta = dict(
+    options = AttentionOptions(
         theta_alpha=-torch.rand(3, generator=g),
         theta_beta=torch.tensor([-0.5, 0.5, 1.5]),
         ssmax_s=0.5 + torch.rand(3, generator=g),
+        window=16,
     )
-    return dispatch.attention(q, k, v, **theta, window=16, backend=backend)
+    return dispatch.attention(q, k, v, options, backend=backend)
 
 
 def _mlstm_call(backend: str) -> torch.Tensor:
@@ -115,12 +117,13 @@ def attention_ops(monkeypatch):
     )
 
 
-def _call(backend="auto", prior=False, **options):
+def _call(backend="auto", prior=False, **fields):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 37, 16, generator=g) for _ in range(3))
     if prior:
-        options.update(theta_alpha=-torch.rand(3, generator=g), theta_beta=torch.tensor([-0.5, 0.5, 1.5]))
-    return dispatch.attention(q, k, v, ssmax_s=0.5 + torch.rand(3, generator=g), backend=backend, **options)
+        fields.update(theta_alpha=-torch.rand(3, generator=g), theta_beta=torch.tensor([-0.5, 0.5, 1.5]))
+    options = AttentionOptions(ssmax_s=0.5 + torch.rand(3, generator=g), **fields)
+    return dispatch.attention(q, k, v, options, backend=backend)
 
 
 def test_auto_on_cpu_runs_the_c_kernel_else_torchs_fused_attention(attention_ops, caplog, monkeypatch):
@@ -176,7 +179,7 @@ def test_fused_calls_take_at_least_256_query_rows(monkeypatch):
     for module, name in ((dispatch, "bam_attention"), (attention_sdpa, "bam_attention_sdpa")):
         real = getattr(module, name)
         monkeypatch.setattr(
-            module, name, lambda *a, real=real, name=name, **kw: seen.append((name, kw["block_size"])) or real(*a, **kw)
+            module, name, lambda *a, real=real, name=name: seen.append((name, a[3].block_size)) or real(*a)
         )
     monkeypatch.setattr(dispatch, "c_tiles_built", lambda: False)
     for block in (16, 512):

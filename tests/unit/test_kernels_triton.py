@@ -34,7 +34,7 @@ from helpers.dispatch_spy import spy_on_ops  # noqa: E402
 
 import megabam.kernels.bam_attention_triton as kt  # noqa: E402
 from megabam.kernels import dispatch  # noqa: E402
-from megabam.kernels.bam_attention import bam_attention  # noqa: E402
+from megabam.kernels.bam_attention import AttentionOptions, bam_attention  # noqa: E402
 
 assert kt.INTERPRET, "kernels.bam_attention_triton was imported before TRITON_INTERPRET=1 was set"
 
@@ -71,7 +71,7 @@ def gqa_inputs(dtype, heads, kv_heads, seed=0, n=N):
 
 
 def grads_of(op, ins, kw, wrt, dout):
-    out = op(*ins[:3], **kw)
+    out = op(*ins[:3], AttentionOptions(**kw))
     return [out, *torch.autograd.grad(out, [ins[i] for i in wrt], dout.to(out.dtype))]
 
 
@@ -163,10 +163,7 @@ def test_no_nan_for_wide_theta(ssmax):
     docs = torch.arange(40).div(15, rounding_mode="floor").expand(B, -1)
     for theta in (wide, corners):
         theta = [t.requires_grad_() for t in theta]
-        out = kt.bam_attention_triton(
-            q,
-            k,
-            v,
+        options = AttentionOptions(
             theta_alpha=theta[0],
             theta_beta=theta[1],
             theta_mu=theta[2],
@@ -175,15 +172,15 @@ def test_no_nan_for_wide_theta(ssmax):
             window=20,
             doc_ids=docs,
         )
+        out = kt.bam_attention_triton(q, k, v, options)
         for t in (out, *torch.autograd.grad(out, [q, k, v, *theta], torch.randn(out.shape, generator=g))):
             assert torch.isfinite(t).all()
 
 
 def test_no_grad_for_inputs_not_requiring_it():
     q, k, v, a, b, m, s = make_inputs(torch.float32)
-    out = kt.bam_attention_triton(
-        q, k, v.detach(), theta_alpha=a.detach(), theta_beta=b, theta_mu=m.detach(), ssmax_s=s
-    )
+    options = AttentionOptions(theta_alpha=a.detach(), theta_beta=b, theta_mu=m.detach(), ssmax_s=s)
+    out = kt.bam_attention_triton(q, k, v.detach(), options)
     out.sum().backward()
     assert v.grad is None and a.grad is None and m.grad is None
     assert all(t.grad is not None for t in (q, k, b, s))
@@ -235,7 +232,7 @@ def test_window_skips_key_tiles(monkeypatch, window, tiles, heads):
     monkeypatch.setattr(kt, "tile", spy)
     q = torch.randn(1, heads, 64, D, requires_grad=True)
     k, v = (torch.randn(1, 1, 64, D, requires_grad=True) for _ in range(2))
-    out = kt.bam_attention_triton(q, k, v, window=window)
+    out = kt.bam_attention_triton(q, k, v, AttentionOptions(window=window))
     tiles *= heads
     assert spy.calls == tiles
     out.sum().backward()
@@ -273,12 +270,14 @@ def test_gqa_strided_kv_and_repeated_kv_agree():
     k, v = (torch.randn(B, N, 2, D, generator=g).transpose(1, 2).requires_grad_() for _ in range(2))
     assert not k.is_contiguous()
     theta = [t.detach().requires_grad_() for t in gqa_inputs(torch.float32, 4, 2)[3:]]
-    kw = dict(theta_alpha=theta[0], theta_beta=theta[1], theta_mu=theta[2], ssmax_s=theta[3], doc_ids=DOCS, window=16)
+    options = AttentionOptions(
+        theta_alpha=theta[0], theta_beta=theta[1], theta_mu=theta[2], ssmax_s=theta[3], doc_ids=DOCS, window=16
+    )
     dout = torch.randn(B, 4, N, D, generator=g)
-    out = kt.bam_attention_triton(q, k, v, **kw)
+    out = kt.bam_attention_triton(q, k, v, options)
     got = torch.autograd.grad(out, [q, k, v, *theta], dout)
     k_rep, v_rep = (t.detach().repeat_interleave(2, 1).requires_grad_() for t in (k, v))
-    rep = kt.bam_attention_triton(q, k_rep, v_rep, **kw)
+    rep = kt.bam_attention_triton(q, k_rep, v_rep, options)
     want = list(torch.autograd.grad(rep, [q, k_rep, v_rep, *theta], dout))
     want[1], want[2] = (w.view(B, 2, 2, N, D).sum(2) for w in want[1:3])
     assert torch.equal(out, rep)
