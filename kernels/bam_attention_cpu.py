@@ -1,5 +1,5 @@
-"""BAM attention on CPU: the fused C kernel (kernels/bam_tiles.c) for every prior, mask and SSMax
-variant, its gradients included (the prior's too).
+"""BAM attention on CPU: the fused C kernel (kernels/bam_attention_cpu.c) for every prior, mask and
+SSMax variant, its gradients included (the prior's too).
 
 Each query block of 64 rows meets its keys 64 at a time: the tile's products, prior, masks and online
 softmax stay in the core's caches, and masked tiles are never computed. The forward saves the output
@@ -37,8 +37,8 @@ from megabam.kernels.bam_attention import (
 from megabam.kernels.cpu_build import I64, P, load, ptr
 from megabam.kernels.precision import compute_dtype
 
-SOURCE = Path(__file__).with_name("bam_tiles.c")
-FORWARD_ARGS = [P] * 6 + [I64, P, I64, I64, P, I64, P] + [I64] * 5  # bam_tiles.c's order
+SOURCE = Path(__file__).with_name("bam_attention_cpu.c")
+FORWARD_ARGS = [P] * 6 + [I64, P, I64, I64, P, I64, P] + [I64] * 5  # bam_attention_cpu.c's order
 BACKWARD_ARGS = [P] * 10 + [I64, P, I64, I64, P, I64, P, I64, P, I64, P] + [I64] * 5
 
 
@@ -58,7 +58,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def tile_rows() -> int:
-    """Query rows per block of the C kernel (bam_tiles.c's ROWS)."""
+    """Query rows per block of the C kernel (bam_attention_cpu.c's ROWS)."""
     return ctypes.c_int64.in_dll(library(), "tile_rows").value
 
 

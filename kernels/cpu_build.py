@@ -1,10 +1,10 @@
 """The C libraries of the CPU path (kernels/*.c), compiled at first use and loaded through ctypes.
 
 Each source is compiled with the system C compiler (about 0.5 s) into megabam's cache ($MEGABAM_CACHE
-or ~/.cache/megabam, folder cpu_kernels), one file per source, flags, compiler, CPU and torch, written
-atomically, and linked to the OpenMP runtime torch has loaded (one thread pool, with its denormal
-flush). Where no compiler works `load` returns None with a warning, and kernels/dispatch.py keeps the
-PyTorch forms.
+or ~/.cache/megabam, folder cpu_kernels), one file per source (and the headers beside it), flags,
+compiler, CPU and torch, written atomically, and linked to the OpenMP runtime torch has loaded (one
+thread pool, with its denormal flush). Where no compiler works `load` returns None with a warning, and
+kernels/dispatch.py keeps the PyTorch forms.
 """
 
 import ctypes
@@ -48,7 +48,10 @@ def build(source: Path, compiler: str, folder: Path) -> Path:
     """The compiled library of `source`, built now unless the cache holds it; raises on a failed build."""
     torch_lib = Path(torch.__file__).parent / "lib"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = "\0".join([source.read_text(), " ".join(COMPILE_FLAGS), version, cpu_signature(), str(torch_lib)])
+    # A source includes headers from its own folder (#include "name.h" is looked up there first): their
+    # text is part of the key, or an edited header would load the library built before the edit.
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+    key = "\0".join([source.read_text(), *headers, " ".join(COMPILE_FLAGS), version, cpu_signature(), str(torch_lib)])
     target = folder / f"{source.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     if target.exists():
         return target

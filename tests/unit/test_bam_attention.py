@@ -2,6 +2,7 @@
 (kernels/bam_attention_cpu.py, the CPU training path), against a dense float64 reference written from
 the formula (methods.md §1). Tests taking the `op` fixture run on both."""
 
+import ctypes
 import logging
 import math
 import platform
@@ -239,7 +240,7 @@ def test_window_bounds_key_columns(monkeypatch):
 
 def test_c_tiles_window_bounds_key_columns(monkeypatch):
     """The C kernel starts each query block at the first key one of its rows sees (block_key_starts,
-    the loop bound of bam_tiles.c): with a window, at most its rows + window - 1 key columns."""
+    the loop bound of bam_attention_cpu.c): with a window, at most its rows + window - 1 key columns."""
     starts, real = [], c_tiles.block_key_starts
 
     def recording(lo, n):
@@ -262,9 +263,9 @@ def test_c_tiles_window_bounds_key_columns(monkeypatch):
 @pytest.mark.parametrize("dim", [16, 32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_c_tiles_head_widths_compiled_as_constants_match(dim, dtype):
-    """bam_tiles.c compiles D = 32, 64 and 128 as constants and its vector products for widths that
-    are whole vectors (16 here: the run-time loop over vectors); the other tests use D = 8 (the scalar
-    loops)."""
+    """bam_attention_cpu.c compiles D = 32, 64 and 128 as constants and its vector products for widths
+    that are whole vectors (16 here: the run-time loop over vectors); the other tests use D = 8 (the
+    scalar loops)."""
     assert_c_tiles_match_dense(dim, dtype)
 
 
@@ -272,7 +273,7 @@ def test_c_tiles_head_widths_compiled_as_constants_match(dim, dtype):
 def test_c_tiles_built_for_avx2_match(tmp_path, monkeypatch):
     """Built for a machine without AVX-512 (-march=haswell: 256-bit vectors, 16 registers; this CPU
     runs that code too), the kernel computes the same: its vector width and sums in flight follow the
-    target (bam_tiles.c's VBYTES, NACC)."""
+    target (bam_attention_cpu.c's VBYTES, NACC)."""
     from megabam.kernels import cpu_build
 
     flags = [f if f != "-march=native" else "-march=haswell" for f in cpu_build.COMPILE_FLAGS]
@@ -359,6 +360,23 @@ def test_c_tiles_build_is_cached_and_a_failed_build_falls_back(tmp_path, monkeyp
         assert ran == ["reference"]
     finally:
         c_tiles.library.cache_clear()  # the next test builds or loads from the real cache again
+
+
+def test_c_build_is_redone_when_an_included_header_changes(tmp_path):
+    """A source's headers (bam_attention_cpu.c's kernels are in bam_attention_cpu_impl.h) are found
+    beside it and are part of the cache key: an edited header builds a new library instead of loading
+    the one built before the edit."""
+    from megabam.kernels import cpu_build
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    source, header = tmp_path / "src" / "lib.c", tmp_path / "src" / "lib_impl.h"
+    source.parent.mkdir()
+    source.write_text('#include "lib_impl.h"\n')
+    header.write_text("int answer(void) { return 1; }\n")
+    first = cpu_build.build(source, compiler, tmp_path / "cache")
+    header.write_text("int answer(void) { return 2; }\n")
+    second = cpu_build.build(source, compiler, tmp_path / "cache")
+    assert second != first and ctypes.CDLL(str(second)).answer() == 2
 
 
 # --- grouped-query attention: k, v with H_kv | H heads ------------------------------------------

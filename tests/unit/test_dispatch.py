@@ -158,7 +158,8 @@ def test_auto_leaves_prior_free_calls_to_torch_where_the_c_kernel_is_narrow(atte
 
 
 def test_the_c_kernel_is_wide_where_the_cpu_has_avx512():
-    """bam_tiles.c picks its vector width from what -march=native enables: 512 bits with AVX-512."""
+    """bam_attention_cpu.c picks its vector width from what -march=native enables: 512 bits with
+    AVX-512."""
     flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "").split()
     assert attention_c_tiles.wide_vectors() == ("avx512f" in flags)
 
