@@ -1,7 +1,7 @@
 /* BAM attention on CPU in fused tiles (kernels/bam_attention_cpu.py): a query block of ROWS rows meets
  * its keys KEYS at a time, and each tile's products, prior, masks and softmax stay in the core's
  * caches; nothing of size N x N, nor a block x N slab, is ever written. The forward keeps a running
- * max and sum per row (online softmax) and returns the output and each row's logsumexp; the backward
+ * max and sum per row (online softmax) and returns the output, both, and the key of each row's max; the backward
  * recomputes each tile from them and sums the gradients of the keys and values over the query
  * blocks, those of the queries over the key blocks, and the prior's gradient along anti-diagonals.
  *
@@ -14,7 +14,8 @@
  * take the same code with D known at run time only).
  *
  * Arguments: q (the queries times scale and SSMax's factor), k, v, out, dq, dk, dv are (B·H, N, D)
- * row-major; lse, delta (B·H, N); lo[b * lo_b + i] the first key row i may see (causal, window and
+ * row-major; stats (B·H, N, 2) each row's logit max and log of its sum, top (B·H, N) the key of that max,
+ * delta and rowsum (B·H, N); lo[b * lo_b + i] the first key row i may see (causal, window and
  * documents: row i sees keys lo_i .. i), kstart[b * ks_b + blk] the first key any row of query block
  * blk sees; prior (or NULL) a table per head (stride prior_h) of the prior at offset m = N - 1 - (j - i),
  * ROWS entries longer than 2N - 1 (the last block's padding rows read it); pscale[b * ps_b + h * ps_h
@@ -97,26 +98,27 @@ const int64_t vector_bytes = VBYTES; /* read by kernels/dispatch.py */
 #undef KD
 #undef NAME
 
-void flash_forward_f32(const T *q, const T *k, const T *v, T *out, T *lse, const T *prior, int64_t prior_h,
-                       const T *pscale, int64_t ps_b, int64_t ps_h, const int64_t *lo, int64_t lo_b,
+void flash_forward_f32(const T *q, const T *k, const T *v, T *out, T *stats, int64_t *top, const T *prior,
+                       int64_t prior_h, const T *pscale, int64_t ps_b, int64_t ps_h, const int64_t *lo, int64_t lo_b,
                        const int64_t *kstart, int64_t ks_b, int64_t B, int64_t H, int64_t N, int64_t D) {
     typeof(forward_f32_any) *forward = D == 32    ? forward_f32_32
                                        : D == 64  ? forward_f32_64
                                        : D == 128 ? forward_f32_128
                                                   : forward_f32_any;
-    forward(q, k, v, out, lse, prior, prior_h, pscale, ps_b, ps_h, lo, lo_b, kstart, ks_b, B, H, N, D);
+    forward(q, k, v, out, stats, top, prior, prior_h, pscale, ps_b, ps_h, lo, lo_b, kstart, ks_b, B, H, N, D);
 }
 
-void flash_backward_f32(const T *q, const T *k, const T *v, const T *dout, const T *lse, const T *delta, T *dq, T *dk,
-                        T *dv, const T *prior, int64_t prior_h, const T *pscale, int64_t ps_b, int64_t ps_h,
-                        const T *wscale, int64_t ws_b, T *sums, int64_t sums_bh, const int64_t *lo, int64_t lo_b,
-                        const int64_t *kstart, int64_t ks_b, int64_t B, int64_t H, int64_t N, int64_t D) {
+void flash_backward_f32(const T *q, const T *k, const T *v, const T *dout, const T *stats, const int64_t *top,
+                        const T *delta, T *dq, T *rowsum, T *dk, T *dv, const T *prior, int64_t prior_h,
+                        const T *pscale, int64_t ps_b, int64_t ps_h, const T *wscale, int64_t ws_b, T *sums,
+                        int64_t sums_bh, const int64_t *lo, int64_t lo_b, const int64_t *kstart, int64_t ks_b,
+                        int64_t B, int64_t H, int64_t N, int64_t D) {
     typeof(backward_f32_any) *backward = D == 32    ? backward_f32_32
                                          : D == 64  ? backward_f32_64
                                          : D == 128 ? backward_f32_128
                                                     : backward_f32_any;
-    backward(q, k, v, dout, lse, delta, dq, dk, dv, prior, prior_h, pscale, ps_b, ps_h, wscale, ws_b, sums, sums_bh, lo,
-             lo_b, kstart, ks_b, B, H, N, D);
+    backward(q, k, v, dout, stats, top, delta, dq, rowsum, dk, dv, prior, prior_h, pscale, ps_b, ps_h, wscale, ws_b,
+             sums, sums_bh, lo, lo_b, kstart, ks_b, B, H, N, D);
 }
 
 #undef T
@@ -137,16 +139,17 @@ void flash_backward_f32(const T *q, const T *k, const T *v, const T *dout, const
 #undef KD
 #undef NAME
 
-void flash_forward_f64(const T *q, const T *k, const T *v, T *out, T *lse, const T *prior, int64_t prior_h,
-                       const T *pscale, int64_t ps_b, int64_t ps_h, const int64_t *lo, int64_t lo_b,
+void flash_forward_f64(const T *q, const T *k, const T *v, T *out, T *stats, int64_t *top, const T *prior,
+                       int64_t prior_h, const T *pscale, int64_t ps_b, int64_t ps_h, const int64_t *lo, int64_t lo_b,
                        const int64_t *kstart, int64_t ks_b, int64_t B, int64_t H, int64_t N, int64_t D) {
-    forward_f64_any(q, k, v, out, lse, prior, prior_h, pscale, ps_b, ps_h, lo, lo_b, kstart, ks_b, B, H, N, D);
+    forward_f64_any(q, k, v, out, stats, top, prior, prior_h, pscale, ps_b, ps_h, lo, lo_b, kstart, ks_b, B, H, N, D);
 }
 
-void flash_backward_f64(const T *q, const T *k, const T *v, const T *dout, const T *lse, const T *delta, T *dq, T *dk,
-                        T *dv, const T *prior, int64_t prior_h, const T *pscale, int64_t ps_b, int64_t ps_h,
-                        const T *wscale, int64_t ws_b, T *sums, int64_t sums_bh, const int64_t *lo, int64_t lo_b,
-                        const int64_t *kstart, int64_t ks_b, int64_t B, int64_t H, int64_t N, int64_t D) {
-    backward_f64_any(q, k, v, dout, lse, delta, dq, dk, dv, prior, prior_h, pscale, ps_b, ps_h, wscale, ws_b, sums,
-                     sums_bh, lo, lo_b, kstart, ks_b, B, H, N, D);
+void flash_backward_f64(const T *q, const T *k, const T *v, const T *dout, const T *stats, const int64_t *top,
+                        const T *delta, T *dq, T *rowsum, T *dk, T *dv, const T *prior, int64_t prior_h,
+                        const T *pscale, int64_t ps_b, int64_t ps_h, const T *wscale, int64_t ws_b, T *sums,
+                        int64_t sums_bh, const int64_t *lo, int64_t lo_b, const int64_t *kstart, int64_t ks_b,
+                        int64_t B, int64_t H, int64_t N, int64_t D) {
+    backward_f64_any(q, k, v, dout, stats, top, delta, dq, rowsum, dk, dv, prior, prior_h, pscale, ps_b, ps_h, wscale,
+                     ws_b, sums, sums_bh, lo, lo_b, kstart, ks_b, B, H, N, D);
 }

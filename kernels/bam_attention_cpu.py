@@ -2,14 +2,16 @@
 SSMax variant, its gradients included (the prior's too).
 
 Each query block of 64 rows meets its keys 64 at a time: the tile's products, prior, masks and online
-softmax stay in the core's caches, and masked tiles are never computed. The forward saves the output
-and each row's logsumexp (O(B·H·N·D)); the backward recomputes each tile (FlashAttention-2's
-scheme) and returns dq, dk, dv and the prior gradient's sums along anti-diagonals, from which
+softmax stay in the core's caches, and masked tiles are never computed. The forward saves the output,
+each row's logit maximum and log of its sum (kept apart: one logsumexp of a large magnitude rounds
+away the digits p needs) and the key of that maximum (O(B·H·N·D)); the backward recomputes each tile
+(FlashAttention-2's scheme) and returns dq, dk, dv and the prior gradient's sums along
+anti-diagonals, centred on each row's largest logit (bam_attention_cpu_impl.h says why), from which
 prior_grads makes dθ. The earlier form of this op left the products to torch and fused only each
 tile's elementwise passes; written tiles of block × N values went through memory, and the op ran at
 1.3-1.5x torch's causal attention's time; this one at 0.72-0.91x of it (AVX-512, with a prior or
-without), so that kernels/dispatch.py runs it for every CPU call there (docs/benchmarks.md, issue
-16). Same arguments, masks, compute dtype and result as bam_attention (v's head width must be q's);
+without), so that kernels/dispatch.py runs it for every CPU call there (docs/benchmarks.md, "CPU
+kernels"). Same arguments, masks, compute dtype and result as bam_attention (v's head width must be q's);
 its tests compare the two.
 
 The C source is compiled at first use (kernels/cpu_build.py). Without a compiler `library()` is None and
@@ -38,8 +40,8 @@ from megabam.kernels.cpu_build import I64, P, load, ptr
 from megabam.kernels.precision import compute_dtype
 
 SOURCE = Path(__file__).with_name("bam_attention_cpu.c")
-FORWARD_ARGS = [P] * 6 + [I64, P, I64, I64, P, I64, P] + [I64] * 5  # bam_attention_cpu.c's order
-BACKWARD_ARGS = [P] * 10 + [I64, P, I64, I64, P, I64, P, I64, P, I64, P] + [I64] * 5
+FORWARD_ARGS = [P] * 7 + [I64, P, I64, I64, P, I64, P] + [I64] * 5  # bam_attention_cpu.c's order
+BACKWARD_ARGS = [P] * 12 + [I64, P, I64, I64, P, I64, P, I64, P, I64, P] + [I64] * 5
 
 
 @functools.cache
@@ -132,17 +134,18 @@ class _BAMAttentionCPU(torch.autograd.Function):
         kc, vc, lo = k.to(dtype).contiguous(), v.to(dtype).contiguous(), lo.contiguous()
         tb = call_tables(q.to(dtype), lo, p)
         out = torch.empty(B, H, N, D, dtype=dtype)
-        lse = torch.empty(B, H, N, dtype=dtype)
-        tensors = (tb.qf, kc, vc, out, lse)
+        stats = torch.empty(B, H, N, 2, dtype=dtype)  # each row's logit max and the log of its sum
+        top = torch.empty(B, H, N, dtype=torch.int64)  # the key of that max
+        tensors = (tb.qf, kc, vc, out, stats, top)
         forward(*(t.data_ptr() for t in tensors), *prior_arguments(tb), *mask_arguments(tb, lo), B, H, N, D)
-        ctx.save_for_backward(q, kc, vc, out, lo, lse, alpha, beta, mu, s)
+        ctx.save_for_backward(q, kc, vc, out, lo, stats, top, alpha, beta, mu, s)
         ctx.cfg = (ssmax_before_prior, scale, k.dtype, v.dtype)
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, kc, vc, out, lo, lse, alpha, beta, mu, s = ctx.saved_tensors
+        q, kc, vc, out, lo, stats, top, alpha, beta, mu, s = ctx.saved_tensors
         ssmax_before_prior, scale, k_dtype, v_dtype = ctx.cfg
         dtype = compute_dtype(q)
         backward = library().flash_backward_f64 if dtype == torch.float64 else library().flash_backward_f32
@@ -153,8 +156,9 @@ class _BAMAttentionCPU(torch.autograd.Function):
         do = dout.to(dtype).contiguous()
         delta = (do * out).sum(-1)  # FlashAttention-2's D: Σ_j p_ij·dP_ij per row
         dqf, dk, dv = torch.empty_like(tb.qf), torch.zeros_like(kc), torch.zeros_like(vc)
+        rowsum = torch.empty(B, H, N, dtype=dtype)
         sums = None if tb.table is None else torch.zeros(B, H, tb.table.shape[1], dtype=dtype)
-        tensors = (tb.qf, kc, vc, do, lse, delta, dqf, dk, dv)
+        tensors = (tb.qf, kc, vc, do, stats, top, delta, dqf, rowsum, dk, dv)
         backward(
             *(t.data_ptr() for t in tensors),
             *prior_arguments(tb),
@@ -162,6 +166,9 @@ class _BAMAttentionCPU(torch.autograd.Function):
             *mask_arguments(tb, lo),
             *(B, H, N, D),
         )
+        # Σ_j dS_ij·k_j as Σ_j dS_ij·(k_j - k_j*), j* the key of row i's largest logit, as the kernel
+        # centres the prior's sums (bam_attention_cpu_impl.h, backward): it feeds ds and dq.
+        dqf.sub_(rowsum[..., None] * kc.gather(2, top[..., None].expand(-1, -1, -1, D)))
         dq = dqf * tb.f
         da, db, dm, ds = (torch.zeros(H, dtype=dtype) for _ in range(4))
         if s is not None:  # the q·k part of dL/ds, as in the reference

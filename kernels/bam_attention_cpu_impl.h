@@ -104,8 +104,8 @@ static void NAME(rows_sum)(T *acc, const T *t, const T *x, int64_t D, int64_t R,
             for (int64_t d = 0; d < KD; d++) acc[(kb + c) * D + d] += t[c * ROWS + r] * x[r * D + d];
 }
 
-static void NAME(forward)(const T *q, const T *k, const T *v, T *out, T *lse, const T *prior, int64_t prior_h,
-                          const T *pscale, int64_t ps_b, int64_t ps_h, const int64_t *lo, int64_t lo_b,
+static void NAME(forward)(const T *q, const T *k, const T *v, T *out, T *stats, int64_t *top, const T *prior,
+                          int64_t prior_h, const T *pscale, int64_t ps_b, int64_t ps_h, const int64_t *lo, int64_t lo_b,
                           const int64_t *kstart, int64_t ks_b, int64_t B, int64_t H, int64_t N, int64_t D) {
     const int64_t blocks = (N + ROWS - 1) / ROWS;
 #pragma omp parallel
@@ -132,7 +132,8 @@ static void NAME(forward)(const T *q, const T *k, const T *v, T *out, T *lse, co
                     for (int64_t r = 0; r < ROWS; r++) qt[d * ROWS + r] = r < R ? q[(bh * N + qs + r) * D + d] : 0;
                 const T *pr = prior ? prior + h * prior_h : 0;
                 T m[ROWS], l[ROWS], corr[ROWS];
-                for (int64_t r = 0; r < ROWS; r++) m[r] = NEG, l[r] = 0;
+                int64_t at[ROWS]; /* the key of each row's largest logit */
+                for (int64_t r = 0; r < ROWS; r++) m[r] = NEG, l[r] = 0, at[r] = qs + r;
                 memset(ot, 0, sizeof(T) * KD * ROWS);
                 for (int64_t kb = ks; kb < ke; kb += KEYS) {
                     const int64_t n = MIN(KEYS, ke - kb);
@@ -140,7 +141,11 @@ static void NAME(forward)(const T *q, const T *k, const T *v, T *out, T *lse, co
                     T mx[ROWS];
                     memcpy(mx, m, sizeof mx);
                     for (int64_t c = 0; c < n; c++)
-                        for (int64_t r = 0; r < ROWS; r++) mx[r] = st[c * ROWS + r] > mx[r] ? st[c * ROWS + r] : mx[r];
+                        for (int64_t r = 0; r < ROWS; r++) {
+                            const int up = st[c * ROWS + r] > mx[r];
+                            mx[r] = up ? st[c * ROWS + r] : mx[r];
+                            at[r] = up ? kb + c : at[r];
+                        }
                     for (int64_t r = 0; r < ROWS; r++) {
                         corr[r] = EXP_OR_ZERO(EXP, m[r] - mx[r], FLOOR);
                         l[r] *= corr[r];
@@ -161,7 +166,11 @@ static void NAME(forward)(const T *q, const T *k, const T *v, T *out, T *lse, co
                 for (int64_t r = 0; r < R; r++) {
                     const T inv = (T)1 / l[r];
                     for (int64_t d = 0; d < KD; d++) out[(bh * N + qs + r) * D + d] = ot[d * ROWS + r] * inv;
-                    lse[bh * N + qs + r] = m[r] + LOG(l[r]);
+                    /* the max and the sum's log apart: exp(x - m - log l) in the backward keeps p's digits
+                     * where one logsumexp of a large magnitude would round them */
+                    stats[2 * (bh * N + qs + r)] = m[r];
+                    stats[2 * (bh * N + qs + r) + 1] = LOG(l[r]);
+                    top[bh * N + qs + r] = at[r];
                 }
             }
         }
@@ -169,12 +178,21 @@ static void NAME(forward)(const T *q, const T *k, const T *v, T *out, T *lse, co
     }
 }
 
-/* delta[i] = sum_d dO·O of row i (FlashAttention-2's D). dq is written whole, dk and dv must
- * arrive zeroed, sums is added to. One head per thread: its dk, dv and sums are its own. */
-static void NAME(backward)(const T *q, const T *k, const T *v, const T *dout, const T *lse, const T *delta, T *dq,
-                           T *dk, T *dv, const T *prior, int64_t prior_h, const T *pscale, int64_t ps_b, int64_t ps_h,
-                           const T *wscale, int64_t ws_b, T *sums, int64_t sums_bh, const int64_t *lo, int64_t lo_b,
-                           const int64_t *kstart, int64_t ks_b, int64_t B, int64_t H, int64_t N, int64_t D) {
+/* stats, top: the forward's (max, log of the sum) per row and the key of that max; delta[i] = sum_d
+ * dO·O of row i (FlashAttention-2's D). dq and rowsum (each row's sum of dL/dlogits, 0 in exact
+ * arithmetic: what rounding left there) are written whole, dk and dv must arrive zeroed, sums is added
+ * to. One head per thread: its dk, dv and sums are its own.
+ *
+ * The prior's sums are centred: row i adds dS_ij·(X_ij - X_ij*) for j* = top_i rather than dS_ij·X_ij
+ * (the same in exact arithmetic, as sum_j dS_ij = 0), by holding back its term at j* and adding
+ * (held - rowsum) there at the row's end. delta = rowsum(dO·O) is not exactly sum_j p·dP, so the
+ * dS_ij do not sum to 0, and a prior's X, large beside its spread over a row's likely keys, would turn
+ * that rest into spurious gradients of θ; a row whose softmax is one key now adds exactly 0. */
+static void NAME(backward)(const T *q, const T *k, const T *v, const T *dout, const T *stats, const int64_t *top,
+                           const T *delta, T *dq, T *rowsum, T *dk, T *dv, const T *prior, int64_t prior_h,
+                           const T *pscale, int64_t ps_b, int64_t ps_h, const T *wscale, int64_t ws_b, T *sums,
+                           int64_t sums_bh, const int64_t *lo, int64_t lo_b, const int64_t *kstart, int64_t ks_b,
+                           int64_t B, int64_t H, int64_t N, int64_t D) {
     const int64_t blocks = (N + ROWS - 1) / ROWS;
 #pragma omp parallel
     {
@@ -196,10 +214,14 @@ static void NAME(backward)(const T *q, const T *k, const T *v, const T *dout, co
                 }
                 for (int64_t d = 0; d < KD; d++)
                     for (int64_t r = 0; r < ROWS; r++) qt[d * ROWS + r] = r < R ? q[(bh * N + qs + r) * D + d] : 0;
-                T l[ROWS], dl[ROWS], w[ROWS];
+                T mr[ROWS], ls[ROWS], dl[ROWS], w[ROWS], rs[ROWS], held[ROWS];
+                int64_t tj[ROWS];
                 int one[ROWS]; /* rows that see one key: p = 1, no gradient, exactly */
                 for (int64_t r = 0; r < ROWS; r++) {
-                    l[r] = r < R ? lse[bh * N + qs + r] : 0;
+                    mr[r] = r < R ? stats[2 * (bh * N + qs + r)] : 0;
+                    ls[r] = r < R ? stats[2 * (bh * N + qs + r) + 1] : 0;
+                    tj[r] = r < R ? top[bh * N + qs + r] : -1;
+                    rs[r] = held[r] = 0;
                     dl[r] = r < R ? delta[bh * N + qs + r] : 0;
                     w[r] = r < R && wscale ? wscale[b * ws_b + qs + r] : 1;
                     one[r] = lor[r] == qs + r;
@@ -215,7 +237,7 @@ static void NAME(backward)(const T *q, const T *k, const T *v, const T *dout, co
                     for (int64_t c = 0; c < n; c++) {
                         T *x = pt + c * ROWS;
                         for (int64_t r = 0; r < ROWS; r++) {
-                            const T e = EXP_OR_ZERO(EXP, x[r] - l[r], FLOOR);
+                            const T e = EXP_OR_ZERO(EXP, x[r] - mr[r] - ls[r], FLOOR);
                             x[r] = x[r] > NEG ? e : 0;
                         }
                     }
@@ -224,18 +246,29 @@ static void NAME(backward)(const T *q, const T *k, const T *v, const T *dout, co
                     for (int64_t c = 0; c < n; c++) {
                         T *g = dst + c * ROWS;
                         const T *p = pt + c * ROWS;
-                        for (int64_t r = 0; r < ROWS; r++) g[r] = one[r] ? 0 : p[r] * (g[r] - dl[r]);
+                        for (int64_t r = 0; r < ROWS; r++) {
+                            g[r] = one[r] ? 0 : p[r] * (g[r] - dl[r]);
+                            rs[r] += g[r];
+                        }
                         if (pr) {
                             T *diag = sums + bh * sums_bh + (N - 1 - (kb + c) + qs);
-                            for (int64_t r = 0; r < ROWS; r++) diag[r] += w[r] * g[r];
+                            for (int64_t r = 0; r < ROWS; r++) {
+                                const int at = kb + c == tj[r];
+                                held[r] += at ? g[r] : 0;
+                                diag[r] += at ? 0 : w[r] * g[r];
+                            }
                         }
                     }
                     NAME(rows_sum)(dv + bh * N * D, pt, dout + (bh * N + qs) * D, D, R, kb, n);
                     NAME(rows_sum)(dk + bh * N * D, dst, q + (bh * N + qs) * D, D, R, kb, n);
                     NAME(tile_times_rows)(dqt, dst, kh, D, kb, n);
                 }
-                for (int64_t r = 0; r < R; r++)
+                for (int64_t r = 0; r < R; r++) {
                     for (int64_t d = 0; d < KD; d++) dq[(bh * N + qs + r) * D + d] = dqt[d * ROWS + r];
+                    rowsum[bh * N + qs + r] = rs[r];
+                    if (pr)
+                        sums[bh * sums_bh + N - 1 - tj[r] + qs + r] += w[r] * (held[r] - rs[r]);
+                }
             }
         }
         free(qt);

@@ -2,7 +2,7 @@
  * pass over its rows (kernels/cpu_fused.py). Their PyTorch forms (megabam/model/layers.py,
  * positional.py) take 3 to 10 elementwise passes and copies (a concatenation of the two halves'
  * gradients, complex views), about 14 % of a training step of the tiny models at 2,048 tokens
- * (docs/benchmarks.md, issue 16). Built at first use by kernels/cpu_build.py.
+ * (docs/log/benchmarks-history.md, "CPU training speed"). Built at first use by kernels/cpu_build.py.
  * Rows are contiguous. Results do not depend on the thread count: each row is computed whole by one
  * thread, and the weight gradient's sum over rows is taken over fixed blocks, then in block order.
  */

@@ -23,6 +23,6 @@ def dense_reference(q, k, v, alpha=None, beta=None, mu=None, s=None, before_prio
         prior = -torch.exp(alpha)[:, None, None] * (d.abs() + 1e-5) ** beta[:, None, None]
     logits = qk + prior
     if s is not None:
-        c = s[None, :, None, None] * torch.log(allowed.sum(-1).double())[:, None, :, None]
+        c = s[None, :, None, None] * torch.log(allowed.sum(-1).to(q.dtype))[:, None, :, None]
         logits = qk * c + prior if before_prior else logits * c
     return torch.softmax(logits.masked_fill(~allowed[:, None], -math.inf), -1) @ v
