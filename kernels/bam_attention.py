@@ -276,9 +276,10 @@ class _BAMAttention(torch.autograd.Function):
 @dataclass(frozen=True, eq=False)  # eq=False: == and hash by identity, never comparing tensors
 class AttentionOptions:
     """What one call of BAM attention computes besides q, k, v: the one options argument of every form
-    of the op (bam_attention, bam_attention_cpu, bam_attention_sdpa, bam_attention_triton,
-    dense_bam_attention, dense_bam_weights), which kernels/dispatch.py passes through. Its own rules
-    are checked when it is made; `check` adds those on q, k, v.
+    of the op (bam_attention, bam_attention_cpu, bam_attention_sdpa, bam_attention_sdpa_causal,
+    bam_attention_flex, bam_attention_triton, dense_bam_attention, dense_bam_weights), which
+    kernels/dispatch.py passes through. Its own rules are checked when it is made; `check` adds
+    those on q, k, v.
 
     Masks: row i may attend to key j iff j <= i, i - window < j (`window` counts the token itself;
     None: no window) and doc_ids[b, j] == doc_ids[b, i] (`doc_ids` (B, N), documents being contiguous
@@ -326,6 +327,16 @@ class AttentionOptions:
     def head_tensors(self) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
         """(θα, θβ, θμ, s), in the order the ops' autograd functions take them."""
         return self.theta_alpha, self.theta_beta, self.theta_mu, self.ssmax_s
+
+    @property
+    def prior_learnable(self) -> bool:
+        """Whether the call needs the prior's gradient: some θ requires grad, under grad mode."""
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in self.head_tensors[:3])
+
+    @property
+    def ssmax_learnable(self) -> bool:
+        """Whether the call needs s's gradient: s requires grad, under grad mode."""
+        return torch.is_grad_enabled() and self.ssmax_s is not None and self.ssmax_s.requires_grad
 
     def head_scale(self, head_dim: int) -> float:
         """The logits' scale: `scale`, or 1/sqrt(head_dim) by default."""

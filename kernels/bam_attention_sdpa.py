@@ -32,8 +32,7 @@ def applies(options: AttentionOptions) -> bool:
     """Whether bam_attention_sdpa computes a call with these options."""
     if options.theta_alpha is None:
         return options.doc_ids is None or options.window is not None
-    thetas = (options.theta_alpha, options.theta_beta, options.theta_mu)
-    fixed = not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in thetas)
+    fixed = not options.prior_learnable
     return fixed and options.doc_ids is None and (options.ssmax_s is None or options.ssmax_before_prior)
 
 
