@@ -1,5 +1,16 @@
-"""The entry points of the ops that have Triton kernels (BAM attention, the chunkwise mLSTM cell): the
-kernel for CUDA tensors; on CPU, for attention, the fused C kernel (kernels/bam_attention_cpu.py,
+"""The entry points of the ops that have Triton kernels (BAM attention, the chunkwise mLSTM cell).
+
+On CUDA tensors the mLSTM runs its kernel, and attention one of these (the first two are torch's
+kernels, called from kernels/bam_attention_torch.py):
+- "sdpa_cuda", full causal attention without a prior, window or documents, SSMax or not: one call
+  of torch's scaled_dot_product_attention, which picks its flash, cuDNN or memory-efficient kernel;
+- "flex", a window, documents or a fixed prior (ALiBi's slopes; any prior under no_grad):
+  FlexAttention, compiled;
+- "triton", the kernel: a learnable prior, a fixed one scaled by a learnable SSMax, and the calls
+  of "flex" where dynamo is disabled (torch.compile then compiles nothing, and FlexAttention
+  uncompiled materialises the N x N scores).
+
+On CPU, for attention, the fused C kernel (kernels/bam_attention_cpu.py,
 "c_tiles": every prior, mask and SSMax variant) where its library builds and v's head width is q's,
 except that calls torch's fused attention can compute (kernels/bam_attention_sdpa.py: no prior, or a
 fixed one) go to torch where the kernel was built for vectors narrower than 512 bits (measured faster
@@ -11,17 +22,19 @@ PyTorch forms.
 Mode `auto` makes that choice; `triton` or `reference` (the PyTorch reference everywhere, the oracle
 of the kernels' tests) forces one. The mode comes from the config key `model.kernels` (passed here as
 `backend`) or the environment variable MEGABAM_KERNELS, which wins when set so a run can be switched
-without editing its config. Each op's choice is logged once per process (per mode and choice).
+without editing its config. Each op's choice is logged once per process (per mode, choice and, on
+CUDA, the reason for it).
 """
 
 import importlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import replace
 
 from torch import Tensor
 
-from megabam.kernels import bam_attention_sdpa
+from megabam.kernels import bam_attention_sdpa, bam_attention_torch
 from megabam.kernels.bam_attention import AttentionOptions, bam_attention
 from megabam.kernels.mlstm import MLstmState
 from megabam.kernels.mlstm import mlstm_chunkwise as mlstm_chunkwise_reference
@@ -42,20 +55,27 @@ CPU_FUSED = "megabam.kernels.cpu_fused"  # likewise
 SDPA_MIN_BLOCK = 256  # query rows per fused call at least (see attention)
 
 log = logging.getLogger(__name__)
-logged_choices: set = set()  # (op, mode, choice) already logged by this process
+logged_choices: set = set()  # (op, mode, choice, reason or None) already logged by this process
 
 
 def choose(
-    backend: str, tensor: Tensor, op: str = "attention", sdpa_applies: bool = False, c_tiles_apply=lambda: False
+    backend: str,
+    tensor: Tensor,
+    op: str = "attention",
+    sdpa_applies: bool = False,
+    c_tiles_apply=lambda: False,
+    cuda_choice: Callable[[], tuple[str, str | None]] = lambda: ("triton", None),
 ) -> str:
-    """'triton', 'sdpa', 'c_tiles' or 'reference' for a call of `op` on `tensor` under the configured
-    mode `backend`; `c_tiles_apply()`: whether the C kernel can compute this call (asked only in mode
-    auto on CPU, where it is built on first use); `sdpa_applies`: whether torch's fused attention can."""
+    """'triton', 'sdpa_cuda', 'flex', 'sdpa', 'c_tiles' or 'reference' for a call of `op` on `tensor`
+    under the configured mode `backend`; `cuda_choice()`: the op for CUDA tensors in mode auto and
+    why; `c_tiles_apply()`: whether the C kernel can compute this call (asked only in mode auto on
+    CPU, where it is built on first use); `sdpa_applies`: whether torch's fused attention can."""
     mode = mode_of(backend)
+    why = None
     if mode != "auto":
         choice = mode
-    elif tensor.is_cuda:
-        choice = "triton"
+    elif on_cuda(tensor):
+        choice, why = cuda_choice()
     else:
         choice = "c_tiles" if c_tiles_apply() else "sdpa" if sdpa_applies else "reference"
     # Off the GPU a Triton launch only works under the interpreter (tests, debugging).
@@ -64,8 +84,37 @@ def choose(
             f"Triton kernels on {tensor.device} tensors need TRITON_INTERPRET=1 "
             f"(mode {mode!r}); use {ENV}=reference or auto"
         )
-    log_choice(op, mode, choice, tensor)
+    log_choice(op, mode, choice, tensor, why)
     return choice
+
+
+def on_cuda(tensor: Tensor) -> bool:
+    """Whether the call is on CUDA tensors (the one place the dispatch asks; tests stand in for it)."""
+    return tensor.is_cuda
+
+
+def cuda_attention_choice(q: Tensor, k: Tensor, options: AttentionOptions) -> tuple[str, str]:
+    """The attention op for CUDA tensors in mode auto, and why (the rule is the module docstring's)."""
+    if options.prior_learnable:
+        return "triton", "learnable prior"
+    if bam_attention_torch.sdpa_causal_applies(options):
+        backend = bam_attention_torch.sdpa_backend(q, k, options)
+        return "sdpa_cuda", f"no prior, window or documents; torch picks {backend}"
+    if not bam_attention_torch.flex_applies(options):
+        return "triton", "learnable SSMax scales the prior"
+    if dynamo_disabled():
+        return "triton", "dynamo is disabled, and FlexAttention uncompiled would materialise N x N scores"
+    return "flex", "window, documents or fixed prior"
+
+
+def dynamo_disabled() -> bool:
+    """Whether torch.compile would leave FlexAttention uncompiled: it returns the function as it is
+    under TORCHDYNAMO_DISABLE=1 (read when torch.compile is called; megabam/process.py sets it where no
+    NVIDIA GPU is present), and compiled code runs uncompiled under torch._dynamo.config.disable
+    (TORCH_COMPILE_DISABLE=1, or set in code)."""
+    import torch._dynamo  # here, not above: ~1 s of import that CPU processes never need
+
+    return os.environ.get("TORCHDYNAMO_DISABLE") == "1" or torch._dynamo.config.disable
 
 
 def mode_of(backend: str) -> str:
@@ -77,10 +126,11 @@ def mode_of(backend: str) -> str:
     return mode
 
 
-def log_choice(op: str, mode: str, choice: str, tensor: Tensor) -> None:
-    if (op, mode, choice) not in logged_choices:
-        logged_choices.add((op, mode, choice))
-        log.info("%s op: %s (mode %s, %s tensors)", op, choice, mode, tensor.device.type)
+def log_choice(op: str, mode: str, choice: str, tensor: Tensor, why: str | None = None) -> None:
+    if (op, mode, choice, why) not in logged_choices:
+        logged_choices.add((op, mode, choice, why))
+        reason = f": {why}" if why else ""
+        log.info("%s op: %s (mode %s, %s tensors)%s", op, choice, mode, tensor.device.type, reason)
 
 
 def fused_cpu_op(op: str, backend: str, *tensors: Tensor):
@@ -122,11 +172,21 @@ def attention(
     def c_tiles_apply() -> bool:
         return v.shape[-1] == q.shape[-1] and c_tiles_built() and (not sdpa_applies or c_tiles_wide())
 
-    choice = choose(backend, q, sdpa_applies=sdpa_applies, c_tiles_apply=c_tiles_apply)
+    choice = choose(
+        backend,
+        q,
+        sdpa_applies=sdpa_applies,
+        c_tiles_apply=c_tiles_apply,
+        cuda_choice=lambda: cuda_attention_choice(q, k, options),
+    )
     if choice == "c_tiles":
         op = importlib.import_module(C_TILES).bam_attention_cpu
     elif choice == "triton":
         op = triton_kernel("attention")
+    elif choice == "sdpa_cuda":
+        op = bam_attention_torch.bam_attention_sdpa_causal
+    elif choice == "flex":
+        op = bam_attention_torch.bam_attention_flex
     elif choice == "sdpa":
         op = bam_attention_sdpa.bam_attention_sdpa
         # Its memory does not grow with the query block (the masks are views, the tiles its own), and

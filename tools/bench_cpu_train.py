@@ -139,7 +139,7 @@ def run_case(args) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     from megabam.kernels.dispatch import logged_choices
 
-    ops = sorted(f"{op}:{choice}" for op, _, choice in logged_choices)
+    ops = sorted(f"{op}:{choice}" for op, _, choice, _ in logged_choices)
     print(
         json.dumps(
             {

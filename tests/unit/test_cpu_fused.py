@@ -191,7 +191,7 @@ def test_decoder_trains_alike_on_both_forms(monkeypatch, positional):
         results.append([loss.detach()] + [p.grad for p in model.parameters()])
     # mode auto: 2 norms and an MLP per layer (and the rotation under RoPE), the final norm
     assert ran == ["c_fused"] * (9 if positional == "rope" else 7)
-    attention = {choice for op, mode, choice in dispatch.logged_choices if op == "attention" and mode == "auto"}
+    attention = {choice for op, mode, choice, _ in dispatch.logged_choices if op == "attention" and mode == "auto"}
     assert attention == {"c_tiles"}
     for a, b in zip(*results):
         assert (a is None) == (b is None)  # parameters without a gradient (θ_μ here) on both

@@ -1,9 +1,10 @@
 """The dispatch point (kernels/dispatch.py) of each op that has a Triton kernel: on CPU tensors unless
 forced, the reference for the mLSTM and for attention the C kernel (kernels/bam_attention_cpu.py),
-where it cannot build torch's fused attention for the calls it can compute, else the reference; the
-kernel when forced (under the interpreter here),
-the environment winning over the config, each choice logged once per op, and bad modes refused in one
-line.
+where it cannot build torch's fused attention for the calls it can compute, else the reference; on
+CUDA tensors (the dispatch's device predicate standing in, the ops running on CPU) torch's SDPA,
+FlexAttention or the kernel for attention, by the call's prior, masks and SSMax and whether dynamo
+is on; the kernel when forced (under the interpreter here), the environment winning over the config,
+each choice logged once per op (and reason), and bad modes refused in one line.
 
 TRITON_INTERPRET=1 is set before the kernel modules are imported, as in tests/unit/test_kernels_triton.py.
 """
@@ -13,12 +14,14 @@ import os
 
 import pytest
 import torch
+import torch.nn.attention.flex_attention as flex_module
 
 os.environ["TRITON_INTERPRET"] = "1"
 from helpers.dispatch_spy import spy_on_ops  # noqa: E402
 
 import megabam.kernels.bam_attention_cpu as attention_c_tiles  # noqa: E402
 import megabam.kernels.bam_attention_sdpa as attention_sdpa  # noqa: E402
+import megabam.kernels.bam_attention_torch as attention_torch  # noqa: E402
 import megabam.kernels.bam_attention_triton as attention_kernel  # noqa: E402
 import megabam.kernels.mlstm_triton as mlstm_kernel  # noqa: E402
 from megabam.kernels import dispatch  # noqa: E402
@@ -117,13 +120,16 @@ def attention_ops(monkeypatch):
     )
 
 
-def _call(backend="auto", prior=False, **fields):
+def _call(backend="auto", prior=False, learnable=(), **fields):
+    """A small attention call through the dispatch point; `learnable`: which of theta_alpha and ssmax_s
+    require grad."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 37, 16, generator=g) for _ in range(3))
     if prior:
         fields.update(theta_alpha=-torch.rand(3, generator=g), theta_beta=torch.tensor([-0.5, 0.5, 1.5]))
-    options = AttentionOptions(ssmax_s=0.5 + torch.rand(3, generator=g), **fields)
-    return dispatch.attention(q, k, v, options, backend=backend)
+    fields = dict(ssmax_s=0.5 + torch.rand(3, generator=g)) | fields
+    fields.update({name: fields[name].clone().requires_grad_() for name in learnable})
+    return dispatch.attention(q, k, v, AttentionOptions(**fields), backend=backend)
 
 
 def test_auto_on_cpu_runs_the_c_kernel_else_torchs_fused_attention(attention_ops, caplog, monkeypatch):
@@ -222,3 +228,107 @@ def test_mlstm_kernel_takes_bf16_qkv_and_the_reference_fp32(monkeypatch):
     assert seen == {"triton": [bf16, bf16, bf16, fp32, fp32], "reference": [fp32] * 5}
     assert got.dtype == bf16 and want.dtype == fp32
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.fixture
+def cuda_ops(monkeypatch):
+    """The attention ops the dispatch point ran, with its device predicate answering CUDA and dynamo
+    on: the choice is the dispatch's own; the ops it picks still run on these CPU tensors
+    (FlexAttention eagerly, the kernel under the interpreter), so their results are checked too."""
+    import torch._dynamo
+
+    monkeypatch.setattr(dispatch, "on_cuda", lambda tensor: True)
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    with torch._dynamo.config.patch(disable=False):  # its own patch: monkeypatch would delete the entry
+        yield spy_on_ops(
+            monkeypatch,
+            (dispatch, "bam_attention"),
+            (attention_kernel, "bam_attention_triton"),
+            sdpa_cuda=(attention_torch, "bam_attention_sdpa_causal"),
+            flex=(attention_torch, "bam_attention_flex"),
+        )
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_auto_on_cuda_runs_sdpa_flex_or_the_kernel_and_logs_why(cuda_ops, caplog, monkeypatch):
+    docs = torch.tensor([[0] * 20 + [1] * 17] * 2)
+    calls = [
+        dict(),  # RoPE, NoPE, sinusoidal: SSMax (fixed here) folded into q
+        dict(learnable=["ssmax_s"]),
+        dict(window=8),
+        dict(doc_ids=docs),
+        dict(prior=True),  # ALiBi's case: a fixed prior, here scaled by a fixed SSMax
+        dict(prior=True, learnable=["theta_alpha"]),
+        dict(prior=True, learnable=["ssmax_s"]),  # a fixed prior scaled by a learnable s
+        dict(prior=True, learnable=["ssmax_s"], ssmax_before_prior=True),
+    ]
+    # The last call's s requires grad, which torch refuses for FlexAttention on CPU (not on CUDA):
+    # lifted, as in tests/unit/test_attention_torch.py.
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        auto = [_call(**kw) for kw in calls]
+        monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # as megabam/process.py sets it without a GPU
+        off = [_call(**kw) for kw in calls[:4]]
+        forced = [_call("triton", window=8), _call("reference", window=8)]
+        references = [_call("reference", **kw) for kw in calls]
+    assert cuda_ops == (
+        ["sdpa_cuda"] * 2
+        + ["flex"] * 3
+        + ["triton"] * 2
+        + ["flex"]
+        + ["sdpa_cuda"] * 2
+        + ["triton"] * 2
+        + ["triton", "reference"]
+        + ["reference"] * 8
+    )
+    backend = attention_torch.sdpa_backend(torch.zeros(2, 3, 37, 16), torch.zeros(2, 3, 37, 16), AttentionOptions())
+    assert [r.getMessage() for r in caplog.records] == [
+        f"attention op: sdpa_cuda (mode auto, cpu tensors): no prior, window or documents; torch picks {backend}",
+        "attention op: flex (mode auto, cpu tensors): window, documents or fixed prior",
+        "attention op: triton (mode auto, cpu tensors): learnable prior",
+        "attention op: triton (mode auto, cpu tensors): learnable SSMax scales the prior",
+        "attention op: triton (mode auto, cpu tensors): dynamo is disabled, and FlexAttention uncompiled would "
+        "materialise N x N scores",
+        "attention op: triton (mode triton, cpu tensors)",
+        "attention op: reference (mode reference, cpu tensors)",
+    ]
+    for got, want in zip(auto + off + forced, references + references[:4] + references[2:3] * 2):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cuda_rule_by_prior_ssmax_masks_and_dynamo(monkeypatch):
+    """dispatch.cuda_attention_choice case by case, and the mLSTM's kernel; dynamo counts as disabled by
+    TORCHDYNAMO_DISABLE=1 (torch.compile's check) or torch._dynamo.config.disable (compiled code's)."""
+    import torch._dynamo
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    q = k = torch.zeros(1, 4, 16, 8)
+    fixed = dict(theta_alpha=torch.zeros(4), theta_beta=torch.ones(4))
+    learnable_prior = dict(theta_alpha=torch.zeros(4, requires_grad=True), theta_beta=torch.ones(4))
+    s, learnable_s = torch.ones(4), torch.ones(4, requires_grad=True)
+
+    def choice(config_disable=False, **fields):
+        with torch._dynamo.config.patch(disable=config_disable):  # monkeypatch would delete the entry
+            return dispatch.cuda_attention_choice(q, k, AttentionOptions(**fields))[0]
+
+    assert [choice(), choice(ssmax_s=learnable_s), choice(ssmax_s=s, doc_ids=torch.zeros(1, 16))] == [
+        "sdpa_cuda",
+        "sdpa_cuda",
+        "flex",
+    ]
+    assert [choice(window=4, **fixed), choice(ssmax_s=s, **fixed), choice(ssmax_s=learnable_s, **fixed)] == [
+        "flex",
+        "flex",
+        "triton",
+    ]
+    assert choice(ssmax_s=learnable_s, ssmax_before_prior=True, **fixed) == "flex"
+    assert [choice(**learnable_prior), choice(window=4, **learnable_prior)] == ["triton", "triton"]
+    with torch.no_grad():  # inference: no prior needs a gradient
+        assert [choice(**learnable_prior), choice(ssmax_s=learnable_s, **fixed)] == ["flex", "flex"]
+    assert [choice(True), choice(True, window=4), choice(True, **fixed)] == ["sdpa_cuda", "triton", "triton"]
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    assert [choice(), choice(window=4)] == ["sdpa_cuda", "triton"]
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    assert choice(window=4) == "flex"
+    monkeypatch.setattr(dispatch, "on_cuda", lambda tensor: True)
+    assert dispatch.choose("auto", q, "mlstm") == "triton"
