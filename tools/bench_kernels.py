@@ -8,15 +8,18 @@ mLSTM rows if time is short):
 
     python tools/bench_kernels.py
 
-1. Correctness first: the kernel (bf16, GGD prior + SSMax, documents, a window) and FlexAttention with
-   the same prior against kernels/bam_attention.py (fp32 on the same bf16 values), output and input
-   gradients; the script stops with exit code 1 if either is off by more than 3e-2 relative.
+1. Correctness first: the kernel (bf16, GGD prior + SSMax, documents, a window), the dispatch's
+   FlexAttention op with the same prior, SSMax and masks held fixed, and its SDPA op (SSMax, no prior,
+   fully causal) against kernels/bam_attention.py (fp32 on the same bf16 values), output and input
+   gradients; the script stops with exit code 1 if any is off by more than 3e-2 relative.
 2. Timing, bf16, head dim 128, batch 1 × 16 heads, GGD prior + SSMax, fully causal, for N in --lengths:
    bam       the fused kernel (kernels/bam_attention_triton.py), prior and SSMax inside the tile loop;
    sdpa      torch SDPA restricted to the flash backend, no prior and no SSMax: the speed ceiling;
-   flex      torch.compile'd FlexAttention with the prior and SSMax as a score_mod, causal block mask;
+   flex      the FlexAttention op the dispatch runs on CUDA (kernels/bam_attention_torch.py: compiled,
+             the prior a score_mod, SSMax folded into q), prior and SSMax held fixed;
    ref       the pure-PyTorch tiled op (kernels/bam_attention.py), query blocks of 128.
-   Then the kernel with sliding windows --windows against full causal at the longest length, and
+   Then the kernel with sliding windows --windows against full causal at the longest length, Flex
+   with the same windows (SWAX's path) against the kernel, and
    grouped-query attention at the longest length (--gqa: 16 query heads sharing 4 key/value heads,
    fully causal; checked against the reference first): the kernel ("bam gqa 16/4", ratio to the
    kernel with 16 kv heads) and SDPA flash with enable_gqa=True ("sdpa gqa 16/4"; skipped when
@@ -128,11 +131,10 @@ class Bench:
         from megabam.kernels.mlstm_triton import mlstm_chunkwise_triton
 
         self.mlstm_ops = {"triton": mlstm_chunkwise_triton, "ref": mlstm_chunkwise}
-        from torch.nn.attention.flex_attention import flex_attention
+        from megabam.kernels.bam_attention_torch import bam_attention_flex, bam_attention_sdpa_causal
 
+        self.flex_op, self.sdpa_causal = bam_attention_flex, bam_attention_sdpa_causal
         torch._dynamo.config.cache_size_limit = 64  # one compile per length and pass, not a fallback
-        self._flex_fn = flex_attention if args.dry_run else torch.compile(flex_attention, dynamic=False)
-        self._flex_cache = {}
 
     def inputs(self, n: int, heads: int, kv_heads=None):
         """q, k, v (k, v with kv_heads heads if given: GQA) and per-query-head (θα, θβ, θμ, s) spread
@@ -149,9 +151,11 @@ class Bench:
         ]
         return [t.requires_grad_() for t in qkv + theta]
 
-    def options_of(self, ins, **masks):
-        """The attention options of a call with the θα, θβ, θμ and s of `ins` (3..6) and `masks`."""
-        return self.options(theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5], ssmax_s=ins[6], **masks)
+    def options_of(self, ins, prior=True, **masks):
+        """The attention options of a call with the θα, θβ, θμ (unless not `prior`) and s of `ins` (3..6)
+        and `masks`."""
+        theta = dict(theta_alpha=ins[3], theta_beta=ins[4], theta_mu=ins[5]) if prior else {}
+        return self.options(**theta, ssmax_s=ins[6], **masks)
 
     # --- the variants: each maps (inputs, window) to the output --------------------------------
 
@@ -174,37 +178,21 @@ class Bench:
         """Whether this torch's SDPA takes enable_gqa (2.5 on)."""
         return "enable_gqa" in (self.torch.nn.functional.scaled_dot_product_attention.__doc__ or "")
 
-    def flex(self, ins, window):
-        """FlexAttention with the BAM prior and SSMax in a score_mod (the published BAM code's route).
-
-        θ and s enter as constants (only q, k, v get gradients), which spares Flex the per-head
-        reductions the kernel always does: the comparison favours Flex. The score_mod and block mask
-        are built once per case, so the compiled function is not re-traced for every call.
-        """
-        torch = self.torch
-        from torch.nn.attention.flex_attention import create_block_mask
-
+    def flex(self, ins, window, doc_ids=None):
+        """The FlexAttention op the dispatch runs on CUDA (kernels/bam_attention_torch.py: compiled, the
+        block mask cached per length and window, the prior from its per-offset table in a score_mod,
+        SSMax folded into q and scaling the prior there) with the prior and SSMax fixed, as the
+        dispatch sends it calls: only q, k, v get gradients, which spares Flex the per-head reductions
+        the kernel always does, so the comparison favours Flex."""
         if self.device == "cpu":  # Flex has no backward on CPU: forward only there
             ins = [t.detach() for t in ins]
-        n = ins[0].shape[-2]
-        cached = self._flex_cache.get((n, window))
-        if cached is None or cached[0] is not ins[3]:
-            alpha, beta, s = (t.detach() for t in (ins[3], ins[4], ins[6]))
-            mu = 2 * torch.sinh(ins[5].detach())
-            log_n = torch.log(torch.arange(1, n + 1, device=self.device).clamp(max=window or n).float())
+        fixed = ins[:3] + [t.detach() for t in ins[3:]]
+        return self.flex_op(*ins[:3], self.options_of(fixed, window=window, doc_ids=doc_ids))
 
-            def score_mod(score, b, h, i, j):
-                d = (j - i).float() - mu[h]
-                expo = torch.clamp(alpha[h] + beta[h] * torch.log(d.abs() + 1e-5), max=60.0)
-                return (score - torch.exp(expo)) * s[h] * log_n[i]
-
-            def mask(b, h, i, j):
-                return (j <= i) & (i - j < (window or n))
-
-            block_mask = create_block_mask(mask, None, None, n, n, device=self.device)
-            self._flex_cache[(n, window)] = (ins[3], score_mod, block_mask)
-        _, score_mod, block_mask = self._flex_cache[(n, window)]
-        return self._flex_fn(*ins[:3], score_mod=score_mod, block_mask=block_mask)
+    def sdpa_cuda(self, ins):
+        """The SDPA op the dispatch runs on CUDA for full causal attention without a prior: one call, SSMax
+        folded into q, torch's pick of kernel."""
+        return self.sdpa_causal(*ins[:3], self.options_of(ins, prior=False))
 
     # --- measuring ------------------------------------------------------------------------------
 
@@ -250,24 +238,26 @@ class Bench:
             ref_ins = [t.detach().float().requires_grad_() for t in ins]
             return ins, ref_ins, torch.randn(ins[0].shape, device=self.device, dtype=self.dtype)
 
-        def bam(x, w):
-            return self.fused(*x[:3], self.options_of(x, doc_ids=doc, window=w))
+        masks = dict(doc_ids=doc, window=n // 4)
+
+        def bam(x):
+            return self.fused(*x[:3], self.options_of(x, **masks))
 
         ok = True
         mha = setup(self.args.heads)
-        cases = [("bam", bam, doc, n // 4, *mha)]
+        cases = [("bam", bam, masks, *mha)]
         if "flex" in self.args.variants:
-            cases.append(("flex", self.flex, None, None, *mha))
+            cases.append(("flex", lambda x: self.flex(x, n // 4, doc), masks, *mha))
+        if "sdpa" in self.args.variants:
+            cases.append(("sdpa_cuda", self.sdpa_cuda, dict(prior=False), *mha))
         if self.args.gqa:  # the kernel with k, v shared by groups of query heads
-            cases.append((f"bam gqa {self.args.gqa[0]}/{self.args.gqa[1]}", bam, doc, n // 4, *setup(*self.args.gqa)))
-        for name, fn, doc_ids, window, ins, ref_ins, dout in cases:
-            want = self.reference(
-                *ref_ins[:3], self.options_of(ref_ins, doc_ids=doc_ids, window=window, block_size=128)
-            )
+            cases.append((f"bam gqa {self.args.gqa[0]}/{self.args.gqa[1]}", bam, masks, *setup(*self.args.gqa)))
+        for name, fn, fields, ins, ref_ins, dout in cases:
+            want = self.reference(*ref_ins[:3], self.options_of(ref_ins, block_size=128, **fields))
             want_grads = torch.autograd.grad(want, ref_ins[:3], dout.float())
             got = []
             try:  # a failing variant is reported; only the kernel's failure stops the run
-                got.append(fn(ins, window))
+                got.append(fn(ins))
                 got += torch.autograd.grad(got[0], ins[:3], dout)
             except Exception as e:  # noqa: BLE001
                 print(f"check {name}: failed: {type(e).__name__}: {str(e).splitlines()[0]}")
@@ -296,7 +286,7 @@ class Bench:
         longest = max(a.lengths)
         names = ["bam"] + [v for v in a.variants if v != "bam"]
         cases = [(n, None, name) for n in a.lengths for name in names]
-        cases += [(longest, w, "bam") for w in a.windows]
+        cases += [(longest, w, name) for name in ("bam", "flex") if name in names for w in a.windows]
         if a.gqa:
             gqa = f" gqa {a.gqa[0]}/{a.gqa[1]}"
             cases.append((longest, None, "bam" + gqa))
@@ -474,7 +464,9 @@ def print_table(rows, results, longest):
     print("| ---: | ---: | --- | --- | ---: | ---: | --- |")
     for n, window, name, backward, ms, tflops in rows:
         full = results[(n, None, "bam", backward)]
-        if window is not None:  # the kernel with a window against itself fully causal
+        if window is not None and name != "bam":  # Flex with a window (SWAX's path) against the kernel's
+            ratio = f"bam is {ms / results[(n, window, 'bam', backward)]:.2f}× as fast"
+        elif window is not None:  # the kernel with a window against itself fully causal
             ratio = f"{full / ms:.2f}× faster than full causal"
         elif name.startswith("bam gqa"):  # against the kernel with one kv head per query head
             ratio = f"{tflops / mha_tflops[(n, backward)]:.2f}× the TFLOP/s with all kv heads"

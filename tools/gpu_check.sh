@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The standing GPU check: the Triton kernels' benchmark (correctness first, then its tables), then short
-# bf16 trainings of the tiny BAM and SWAX configs on CUDA through the kernels (model.kernels=auto picks
-# them on CUDA tensors; the dispatch logs its choice). One command, sized for a 10-minute device call:
+# bf16 trainings of the tiny configs on CUDA through the ops model.kernels=auto picks on CUDA tensors
+# (the dispatch logs each choice and why): BAM's learnable prior on the Triton kernel, SWAX's windowed
+# RoPE layers on compiled FlexAttention, and the BAM config with RoPE instead of its prior (SSMax
+# kept) on torch's SDPA. One command, sized for a 10-minute device call:
 #
 #   run(command="bash tools/gpu_check.sh", carry=[".gpu"], timeout_s=600)
 #
@@ -10,7 +12,7 @@
 # docs/benchmarks.md "GPU kernels". Only the wheels whose module the image lacks are
 # installed. Everything printed also goes to $OUT/gpu_check.log.
 #
-# GPU_CHECK_BENCH=0 skips the benchmark; GPU_CHECK_TRAIN names the trainings (bam, swax; 0: none).
+# GPU_CHECK_BENCH=0 skips the benchmark; GPU_CHECK_TRAIN names the trainings (bam, swax, rope; 0: none).
 # GPU_CHECK_DRY=1 runs the same steps on CPU at tiny sizes (the benchmark under the Triton
 # interpreter, 3 training steps): it proves the script, not the GPU.
 set -uo pipefail
@@ -55,7 +57,7 @@ print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torc
 if [[ -n ${GPU_CHECK_DRY:-} ]]; then
   bench=(--dry-run) steps=3 warmup=1 bench_limit=300
 else
-  bench=(--variants bam sdpa flex --reps 5 ${GPU_CHECK_BENCH_ARGS:-}) steps=100 warmup=20 bench_limit=330
+  bench=(--variants bam sdpa flex --reps 5 ${GPU_CHECK_BENCH_ARGS:-}) steps=100 warmup=20 bench_limit=280
 fi
 if [[ ${GPU_CHECK_BENCH:-1} == 1 ]]; then  # GPU_CHECK_BENCH=0: the trainings alone
   echo "== gpu_check: tools/bench_kernels.py ${bench[*]}"
@@ -73,7 +75,9 @@ train() {  # train NAME CONFIG LIMIT OVERRIDES...
     logging.log_every=10 "${@:4}"
   echo "gpu_check: train $1 exit $? after $SECONDS s"
 }
-runs=${GPU_CHECK_TRAIN:-bam swax}  # which trainings; GPU_CHECK_TRAIN=0: the benchmark alone
-[[ " $runs " == *" bam "* ]] && train bam tiny_cpu 110 logging.peak_tflops=989
-[[ " $runs " == *" swax "* ]] && train swax swax_tiny_cpu 110 logging.peak_tflops=989
+runs=${GPU_CHECK_TRAIN:-bam swax rope}  # which trainings; GPU_CHECK_TRAIN=0: the benchmark alone
+[[ " $runs " == *" bam "* ]] && train bam tiny_cpu 100 logging.peak_tflops=989
+# SWAX compiles FlexAttention on its first step (forward and backward) and again for evaluation.
+[[ " $runs " == *" swax "* ]] && train swax swax_tiny_cpu 120 logging.peak_tflops=989
+[[ " $runs " == *" rope "* ]] && train rope tiny_cpu 80 logging.peak_tflops=989 model.attention.positional=rope
 exit 0
