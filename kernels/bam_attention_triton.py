@@ -144,9 +144,10 @@ def tile(
 
 
 # Every config in the three lists compiles without register spills for sm_90 at D 128 (bf16/fp16
-# inputs; tools/kernel_budget.py, tests/unit/test_kernel_budget.py). Dropped for spilling: forward
-# 128x64 and 64x128 at 4 warps; dk/dv 64-query tiles (64x128 w8, 64x64 w4); dq 64-key tiles (128x64
-# w8, 64x64 w4) and 128x32 at 4 warps.
+# inputs, GROUP 1 and > 1; tools/kernel_budget.py, tests/unit/test_kernel_budget.py). Dropped for
+# spilling: forward 128x64 and 64x128 at 4 warps; dk/dv 64-query tiles (64x128 w8, 64x64 w4) and, at
+# GROUP > 1 (the group loop around the query loop), 32-query tiles pipelined over 2-3 stages; dq
+# 64-key tiles (128x64 w8, 64x64 w4) and 128x32 at 4 warps.
 @triton.autotune(configs=_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 4)]), key=_TUNE_KEY)
 @triton.jit
 def fwd_kernel(
@@ -229,7 +230,7 @@ def fwd_kernel(
 
 
 # GROUP in the key: with grouped-query attention the dk/dv grid has GROUP times fewer, longer programs.
-@triton.autotune(configs=_configs([(32, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 3)]), key=_TUNE_KEY + ["GROUP"])
+@triton.autotune(configs=_configs([(32, 128, 8, 1), (32, 64, 4, 1), (16, 128, 8, 2)]), key=_TUNE_KEY + ["GROUP"])
 @triton.jit
 def bwd_dkdv_kernel(
     Q,

@@ -90,12 +90,19 @@ def record(module, names, host):
     return calls
 
 
+BAM_VARIANTS = ("prior", "no prior", "prior gqa")
+
+
 def bam_launches(module, dtype, variant):
     """fwd_kernel, bwd_dkdv_kernel and bwd_dq_kernel as BAM_SHAPE's forward and backward launch them:
-    SSMax on (after the prior), with the prior ("prior") or without ("no prior"), θμ trained."""
+    SSMax on (after the prior), with the prior ("prior") or without ("no prior"), θμ trained; "prior
+    gqa" with 4 query heads per key/value head (GROUP > 1 is compiled apart: a launch argument of 1
+    is specialised away)."""
     B, H, N, D = BAM_SHAPE.values()
-    q, k, v, dout = (torch.zeros(B, H, N, D, dtype=dtype) for _ in range(4))
-    heads = (torch.full((H,), -2.0), torch.ones(H), torch.full((H,), 0.1)) if variant == "prior" else (None,) * 3
+    q, dout = (torch.zeros(B, H, N, D, dtype=dtype) for _ in range(2))
+    k, v = (torch.zeros(B, H // 4 if variant.endswith("gqa") else H, N, D, dtype=dtype) for _ in range(2))
+    prior = variant.startswith("prior")
+    heads = (torch.full((H,), -2.0), torch.ones(H), torch.full((H,), 0.1)) if prior else (None,) * 3
     s = torch.ones(H)
     lo, last = module.key_bounds(None, None, N, q.device)
     out = torch.zeros(B, H, N, D)
@@ -233,7 +240,7 @@ def budget(instrs, usage) -> dict:
     )
 
 
-# Filled in the parent before the worker processes fork: (module, launch) per job key.
+# Filled in the parent before the worker processes fork: (module, launch, config, arch, dtype) per key.
 JOBS: dict = {}
 
 
@@ -313,7 +320,7 @@ KERNELS = {
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
-    ap.add_argument("--variants", nargs="+", choices=["prior", "no prior"], default=["prior", "no prior"])
+    ap.add_argument("--variants", nargs="+", choices=BAM_VARIANTS, default=list(BAM_VARIANTS))
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["bf16"])
     ap.add_argument("--arch", nargs="+", type=int, default=[90, 100], help="sm_ versions (90: H100/H200)")
     ap.add_argument("--bam-source", help="a kernels/bam_attention_triton.py to count instead (e.g. an old copy)")
