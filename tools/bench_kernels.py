@@ -12,7 +12,7 @@ mLSTM rows if time is short):
    the same prior against kernels/bam_attention.py (fp32 on the same bf16 values), output and input
    gradients; the script stops with exit code 1 if either is off by more than 3e-2 relative.
 2. Timing, bf16, head dim 128, batch 1 × 16 heads, GGD prior + SSMax, fully causal, for N in --lengths:
-   bam       the fused kernel (kernels/bam_attention_triton.py), prior and SSMax inside the tile loop;
+   bam       the fused kernel (kernels/bam_attention_triton.py), prior (an offset table) and SSMax in the tile loop;
    sdpa      torch SDPA restricted to the flash backend, no prior and no SSMax: the speed ceiling;
    flex      torch.compile'd FlexAttention with the prior and SSMax as a score_mod, causal block mask;
    ref       the pure-PyTorch tiled op (kernels/bam_attention.py), query blocks of 128.

@@ -61,7 +61,7 @@ else
   budget=()
 fi
 # The kernels' instruction budget as the image's own Triton compiles them (sm_90, bf16; no GPU used,
-# 28 compiles, well under a minute on its cores): MUFU per score and spills per autotune config.
+# 38 compiles, well under a minute on its cores): MUFU per score and spills per autotune config.
 if [[ ${GPU_CHECK_BUDGET:-1} == 1 ]]; then
   echo "== gpu_check: tools/kernel_budget.py --arch 90 ${budget[*]}"
   SECONDS=0
