@@ -122,21 +122,34 @@ def offset_tables(p: BamParams, qs: int, R: int, ks: int, C: int, window: int | 
     return mask, None if p.alpha is None else prior_terms(p, delta)
 
 
+def prior_weights(dprior: Tensor | float, prior: tuple, p: BamParams) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Per offset, (dL/dθα, dL/dθβ, dL/dμ or None without θμ) of the prior_terms tuple `prior`, given
+    dL/dprior `dprior` at each offset ((H, L), or 1.0: the prior's own derivatives, which the Triton
+    kernel reads as tables)."""
+    pr, live, log_a, d = prior
+    g = torch.where(live, dprior * pr, 0)  # dL/d(exponent θα + θβ·log_a)
+    dm = None
+    if p.mu is not None:  # d|d|/dμ = -sign(d); d(a^β)/da = β·a^β/a
+        dm = -(g * p.beta[:, None] * d.sign() / (d.abs() + EPS))
+    return g, g * log_a, dm
+
+
 def prior_grads(sums: Tensor, prior: tuple, p: BamParams) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """This tile's (dθα, dθβ, dθμ before its 2·cosh(θμ) factor or None, the prior's part of ds or
     None) per head, from `sums` (H, R + C - 1): dL/dlogits summed over the tile's entries at each
     offset, each weighted by ln n_i when the prior is scaled by c (prior_scaled)."""
-    pr, live, log_a, d = prior
     ds = None
     dpr = sums
     if prior_scaled(p):
-        ds = (sums * pr).sum(1)
+        ds = (sums * prior[0]).sum(1)
         dpr = sums * p.s[:, None]
-    g = torch.where(live, dpr * pr, 0)  # dL/d(exponent θα + θβ·log_a)
-    dm = None
-    if p.mu is not None:  # d|d|/dμ = -sign(d); d(a^β)/da = β·a^β/a
-        dm = -(g * p.beta[:, None] * d.sign() / (d.abs() + EPS)).sum(1)
-    return g.sum(1), (g * log_a).sum(1), dm, ds
+    da, db, dm = prior_weights(dpr, prior, p)
+    return da.sum(1), db.sum(1), None if dm is None else dm.sum(1), ds
+
+
+def key_count_log(lo: Tensor, rows: Tensor, dtype) -> Tensor:
+    """ln n_i of the rows `rows` whose first keys are lo: n_i = i - lo + 1 keys, SSMax's count."""
+    return torch.log((rows - lo + 1).to(dtype))
 
 
 def toeplitz_tile(table: Tensor, R: int, C: int) -> Tensor:
@@ -174,7 +187,7 @@ def block_logits(
     """
     R, C = q.shape[-2], k.shape[-2]
     rows = torch.arange(qs, qs + R, device=q.device)
-    log_n = None if p.s is None else torch.log((rows - lo + 1).to(q.dtype))[:, None, :, None]
+    log_n = None if p.s is None else key_count_log(lo, rows, q.dtype)[:, None, :, None]
     f = query_factor(p, log_n)
     qf = q * f
     logits = torch.matmul(qf, k.transpose(-1, -2))
@@ -449,7 +462,7 @@ def dense_bam_weights(
     lo = q_pos.new_zeros(q_pos.shape) if window is None else (q_pos - window + 1).clamp(min=0)
     delta = k_pos[None, :] - q_pos[:, None]  # j - i, (C, S)
     allowed = (k_pos[None, :] >= lo[:, None]) & (delta <= 0)
-    log_n = None if p.s is None else torch.log((q_pos - lo + 1).to(dtype))[:, None]
+    log_n = None if p.s is None else key_count_log(lo, q_pos, dtype)[:, None]
     logits = (qc * query_factor(p, log_n)) @ kc.transpose(-1, -2)
     if p.alpha is not None:
         add_prior(logits, prior_terms(p, delta.flatten())[0].view(-1, *delta.shape), log_n, p)

@@ -30,6 +30,7 @@ from torch.autograd.function import once_differentiable
 from megabam.kernels.bam_attention import (
     AttentionOptions,
     bam_params,
+    key_count_log,
     prior_grads,
     prior_scaled,
     prior_terms,
@@ -86,7 +87,7 @@ class CallTables(NamedTuple):
 def call_tables(q: Tensor, lo: Tensor, p) -> CallTables:
     """The CallTables of queries q (B, H, N, D) in the compute dtype, key starts lo and BamParams p."""
     N = q.shape[-2]
-    log_n = None if p.s is None else torch.log((torch.arange(N) - lo + 1).to(q.dtype))[:, None, :, None]
+    log_n = None if p.s is None else key_count_log(lo, torch.arange(N), q.dtype)[:, None, :, None]
     f = query_factor(p, log_n)
     prior = table = None if p.alpha is None else prior_terms(p, (N - 1) - torch.arange(2 * N - 1))
     if prior is not None:

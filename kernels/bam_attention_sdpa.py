@@ -24,7 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megabam.kernels.bam_attention import AttentionOptions, bam_params, key_start, prior_terms, query_blocks
+from megabam.kernels.bam_attention import (
+    AttentionOptions,
+    bam_params,
+    key_count_log,
+    key_start,
+    prior_terms,
+    query_blocks,
+)
 from megabam.kernels.precision import compute_dtype
 
 
@@ -52,7 +59,7 @@ def bam_attention_sdpa(q: Tensor, k: Tensor, v: Tensor, options: AttentionOption
     gqa = k.shape[1] != q.shape[1]
     lo = key_start(options.doc_ids, options.window, N, q.device)
     if options.ssmax_s is not None:  # without a prior, or with the prior outside SSMax's scale
-        log_n = torch.log((torch.arange(N, device=q.device) - lo + 1).to(dtype))  # (B or 1, N)
+        log_n = key_count_log(lo, torch.arange(N, device=q.device), dtype)  # (B or 1, N)
         qc = qc * (options.ssmax_s.to(dtype)[:, None, None] * log_n[:, None, :, None])
     if options.theta_alpha is None and options.doc_ids is None and options.window is None:
         out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)

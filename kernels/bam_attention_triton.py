@@ -2,11 +2,25 @@
 
 Same semantics as the pure-PyTorch reference (kernels/bam_attention.py), flash-attention style: the
 forward walks the key tiles of each query block with an online softmax and saves the row
-log-sum-exp; the prior is evaluated per tile from the per-head θ, so no N×N tensor exists. Key tiles
-outside a row block's causal / document / window range are skipped by the loop bounds, so with a
-window the cost is N·w. The backward recomputes each tile twice: once per key block (dk, dv) and
-once per query block (dq and the per-head gradients of θα, θβ, θμ, s, written as one partial sum per
-row and reduced afterwards, so the result is deterministic).
+log-sum-exp, so no N×N tensor exists. Key tiles outside a row block's causal / document / window
+range are skipped by the loop bounds, so with a window the cost is N·w. The backward recomputes each
+tile twice: once per key block (dk, dv) and once per query block (dq and the per-head gradients of
+θα, θβ, θμ, s, written as one partial sum per row and reduced afterwards: deterministic, no atomics).
+
+One special-function operation per score. The prior depends on the offset i - j only (and the
+head's θ), so the host computes it once per call as a per-head table over a causal row's offsets
+0..N-1 (prior_tables: O(N·H), from the reference's prior_terms) and a tile reads it with one gather
+by offset. SSMax's c = s·ln n_i is a per-row vector (ln n_i a host table like lo), and the softmax
+scale and log2(e) fold into q·k's row factor f, so the logits come out in log2 units, q·k·f + prior·c
+(or + prior), and p = exp2(logits - m): the only transcendental per score. The lse is stored in
+natural log. The dq kernel's θ gradients are per-row sums of dL/dlogits times per-offset weight
+tables (the prior's derivatives, prior_weights at dL/dprior = 1: one gather and one FMA per table
+per score); the q·k part of dL/ds is a row dot product of q with dL/dlogits·k, taken once per row.
+tools/kernel_budget.py counts the result in the compiled machine code (docs/benchmarks.md).
+
+The dk/dv kernel works on transposed tiles (keys × queries) so that p and dL/dlogits feed dv and dk
+as the dots' left operands with no transpose in registers. The autotune lists keep only
+configurations that compile without register spills for sm_90 (tests/unit/test_kernel_budget.py).
 
 Grouped-query attention: k, v may have H_kv heads, H_kv dividing q's H; query head h reads kv head
 h // GROUP, GROUP = H // H_kv (a runtime argument). The forward and the dq kernel index the shared
@@ -21,6 +35,7 @@ imported). The interpreter's bf16 arithmetic is wrong, so when interpreting ever
 fp32 at once; on a GPU the dot products take the input dtype (tensor cores) and accumulate in fp32.
 """
 
+import math
 import os
 
 import torch
@@ -29,16 +44,26 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from megabam.kernels.bam_attention import EPS, EXP_CAP, AttentionOptions, key_start
+from megabam.kernels.bam_attention import (
+    AttentionOptions,
+    bam_params,
+    key_count_log,
+    key_start,
+    prior_terms,
+    prior_weights,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The interpreter runs ~1-3 ms per tile iteration whatever the tile size, and autotune with more than
 # one config fails there: one small config when interpreting, a few tuned ones on the GPU.
 INTERPRET_BLOCK = 16
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The reference's constants, as constexpr globals (the only globals a compiled kernel may read).
-EPS_C = tl.constexpr(EPS)
-EXP_CAP_C = tl.constexpr(EXP_CAP)
+# The logits are kept in log2 units (exp2 is the special-function unit's own exponential): the
+# prior's table holds prior·log2(e), q·k's row factor has it too, and the lse goes out in natural log.
+LOG2E = math.log2(math.e)
+# Constexpr globals: the only globals a compiled kernel may read.
+LOG2E_C = tl.constexpr(LOG2E)
+LN2_C = tl.constexpr(math.log(2))
 
 
 def _configs(pairs):
@@ -64,19 +89,15 @@ def _load_rows(ptr, offs, offs_d, stride_n, stride_d, n, d, UPCAST: tl.constexpr
 
 
 @triton.jit
-def _head_scalars(ALPHA, BETA, MU, S, h, HAS_PRIOR: tl.constexpr, HAS_SSMAX: tl.constexpr):
-    """Head h's θα, θβ, μ and s (fp32); 0 in place of those whose feature is off (never read)."""
-    alpha = 0.0
-    beta = 0.0
-    mu = 0.0
-    s = 0.0
-    if HAS_PRIOR:
-        alpha = tl.load(ALPHA + h)
-        beta = tl.load(BETA + h)
-        mu = tl.load(MU + h)
+def _row_scales(LOGN, S, h, b, slob, offs_m, n, scale, HAS_SSMAX: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per row of offs_m: (f, c, ln n_i). f multiplies q·k in the logits in log2 units, scale·log2(e)·c;
+    c = s·ln n_i is SSMax's factor (1 without SSMax, where ln n_i is 0)."""
+    log_n = tl.zeros([BLOCK_M], tl.float32)
+    c = log_n + 1.0
     if HAS_SSMAX:
-        s = tl.load(S + h)
-    return alpha, beta, mu, s
+        log_n = tl.load(LOGN + b * slob + offs_m, mask=offs_m < n, other=0.0)
+        c = tl.load(S + h) * log_n
+    return c * (scale * LOG2E_C), c, log_n
 
 
 @triton.jit
@@ -87,50 +108,47 @@ def tile(
     offs_n,
     lo_m,
     n,
-    alpha,
-    beta,
-    mu,
-    s,
-    scale,
+    f,
+    c,
+    PRIOR,
     HAS_PRIOR: tl.constexpr,
     HAS_SSMAX: tl.constexpr,
     BEFORE: tl.constexpr,
     PRECISION: tl.constexpr,
+    KEY_ROWS: tl.constexpr = False,
 ):
-    """Masked logits of query rows offs_m against keys offs_n, as the reference's block_logits.
+    """Masked logits of query rows offs_m against keys offs_n, as the reference's block_logits times
+    log2(e): q·k·f + prior·c (SSMax scaling the prior) or + prior, -inf where not allowed. f, c,
+    lo_m are per query (_row_scales). KEY_ROWS: the transposed tile (keys × queries), the dk/dv
+    kernel's orientation, where p and dlogits feed dk, dv without a transpose in registers.
 
-    Returns (logits, qk, prior, log_a, live, d, log_n); logits are -inf where not allowed. The prior
-    terms are placeholders (qk) without a prior, log_n one without SSMax: the caller's constexpr
-    flags say which are real.
-    """
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    logits = qk
+    Returns (logits, prior, allowed): prior (log2 units, 0 where not allowed) is the head's prior
+    table PRIOR read at the offsets i - j, a placeholder without a prior."""
+    if KEY_ROWS:
+        qk = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+        i, j, lo, f, c = offs_m[None, :], offs_n[:, None], lo_m[None, :], f[None, :], c[None, :]
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        i, j, lo, f, c = offs_m[:, None], offs_n[None, :], lo_m[:, None], f[:, None], c[:, None]
+    allowed = (j <= i) & (j >= lo) & (i < n)
+    logits = qk * f
     prior = qk
-    log_a = qk
-    d = qk
-    live = qk == qk
     if HAS_PRIOR:
-        # Same arithmetic as kernels/bam_attention.py::prior_terms, in log space so nothing overflows.
-        d = (offs_n[None, :] - offs_m[:, None]).to(tl.float32) - mu
-        log_a = tl.log(tl.abs(d) + EPS_C)
-        expo = alpha + beta * log_a
-        live = expo < EXP_CAP_C
-        prior = -tl.exp(tl.minimum(expo, EXP_CAP_C))
-        logits = qk + prior
-    log_n = lo_m.to(tl.float32)
-    if HAS_SSMAX:
-        log_n = tl.log((offs_m - lo_m + 1).to(tl.float32))
-        c = s * log_n[:, None]
-        if HAS_PRIOR and BEFORE:
-            logits = qk * c + prior
+        # An allowed entry has 0 <= i - j < n, a valid table index; the others are not read.
+        prior = tl.load(PRIOR + (i - j), mask=allowed, other=0.0)
+        if HAS_SSMAX and not BEFORE:
+            logits += prior * c
         else:
-            logits = logits * c
-    allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= lo_m[:, None]) & (offs_m[:, None] < n)
-    logits = tl.where(allowed, logits, float("-inf"))
-    return logits, qk, prior, log_a, live, d, log_n
+            logits += prior
+    return tl.where(allowed, logits, float("-inf")), prior, allowed
 
 
-@triton.autotune(configs=_configs([(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2)]), key=_TUNE_KEY)
+# Every config in the three lists compiles without register spills for sm_90 at D 128 (bf16/fp16
+# inputs, GROUP 1 and > 1; tools/kernel_budget.py, tests/unit/test_kernel_budget.py). Dropped for
+# spilling: forward 128x64 and 64x128 at 4 warps; dk/dv 64-query tiles (64x128 w8, 64x64 w4) and, at
+# GROUP > 1 (the group loop around the query loop), 32-query tiles pipelined over 2-3 stages; dq
+# 64-key tiles (128x64 w8, 64x64 w4) and 128x32 at 4 warps.
+@triton.autotune(configs=_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 4)]), key=_TUNE_KEY)
 @triton.jit
 def fwd_kernel(
     Q,
@@ -139,9 +157,8 @@ def fwd_kernel(
     O,
     LSE,
     LO,
-    ALPHA,
-    BETA,
-    MU,
+    LOGN,
+    TABLE,
     S,
     sqb,
     sqh,
@@ -170,7 +187,7 @@ def fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Output rows and row log-sum-exp of one query block of one (batch, query head)."""
+    """Output rows and row log-sum-exp (natural log) of one query block of one (batch, query head)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # base offsets b·stride, bh·N·D can pass 2^31
     b = pid_bh // H
@@ -181,8 +198,9 @@ def fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     lo_m = tl.load(LO + b * slob + offs_m, mask=offs_m < N, other=0)
     q = _load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, sqd, N, D, UPCAST)
-    alpha, beta, mu, s = _head_scalars(ALPHA, BETA, MU, S, h, HAS_PRIOR, HAS_SSMAX)
+    f, c, _ = _row_scales(LOGN, S, h, b, slob, offs_m, N, scale, HAS_SSMAX, BLOCK_M)
 
+    # Online softmax in log2 units: one exp2 per score.
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -193,15 +211,13 @@ def fwd_kernel(
         offs_n = k_start + tl.arange(0, BLOCK_N)
         k = _load_rows(K + b * skb + hk * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
         v = _load_rows(V + b * svb + hk * svh, offs_n, offs_d, svn, svd, N, D, UPCAST)
-        logits = tile(
-            q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION
-        )[0]
+        logits = tile(q, k, offs_m, offs_n, lo_m, N, f, c, TABLE + h * N, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION)[0]
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         # A row may have no allowed key in this tile yet (document or window start further on):
-        # subtract 0 then, so exp() gives 0 rather than NaN.
+        # subtract 0 then, so exp2() gives 0 rather than NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(logits - m_safe[:, None])
-        corr = tl.exp(m_i - m_safe)
+        p = tl.exp2(logits - m_safe[:, None])
+        corr = tl.exp2(m_i - m_safe)
         l_i = l_i * corr + tl.sum(p, 1)
         acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -210,11 +226,11 @@ def fwd_kernel(
     l_i = tl.where(row_ok, l_i, 1.0)  # padding rows saw nothing; keep them finite
     o_ptr = O + pid_bh * N * BLOCK_D + offs_m[:, None] * BLOCK_D + offs_d[None, :]
     tl.store(o_ptr, acc / l_i[:, None], mask=row_ok[:, None])
-    tl.store(LSE + pid_bh * N + offs_m, m_i + tl.log(l_i), mask=row_ok)
+    tl.store(LSE + pid_bh * N + offs_m, (m_i + tl.log2(l_i)) * LN2_C, mask=row_ok)
 
 
 # GROUP in the key: with grouped-query attention the dk/dv grid has GROUP times fewer, longer programs.
-@triton.autotune(configs=_configs([(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 4, 2)]), key=_TUNE_KEY + ["GROUP"])
+@triton.autotune(configs=_configs([(32, 128, 8, 1), (32, 64, 4, 1), (16, 128, 8, 2)]), key=_TUNE_KEY + ["GROUP"])
 @triton.jit
 def bwd_dkdv_kernel(
     Q,
@@ -227,9 +243,8 @@ def bwd_dkdv_kernel(
     LAST,
     DK,
     DV,
-    ALPHA,
-    BETA,
-    MU,
+    LOGN,
+    TABLE,
     S,
     sqb,
     sqh,
@@ -285,7 +300,6 @@ def bwd_dkdv_kernel(
     for g in range(0, GROUP):
         h = hk * GROUP + g  # query head
         pid_bh = b * H + h  # its row of LSE and DELTA
-        alpha, beta, mu, s = _head_scalars(ALPHA, BETA, MU, S, h, HAS_PRIOR, HAS_SSMAX)
         for q_start in range(q_lo, q_hi, BLOCK_M):
             offs_m = q_start + tl.arange(0, BLOCK_M)
             row_ok = offs_m < N
@@ -294,16 +308,18 @@ def bwd_dkdv_kernel(
             do = _load_rows(DO + b * sdb + h * sdh, offs_m, offs_d, sdn, sdd, N, D, UPCAST)
             lse = tl.load(LSE + pid_bh * N + offs_m, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + pid_bh * N + offs_m, mask=row_ok, other=0.0)
-            logits, qk, prior, log_a, live, d, log_n = tile(
-                q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION
-            )
-            p = tl.exp(logits - lse[:, None])
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            dqk = p * (dp - delta[:, None])
+            f, c, _ = _row_scales(LOGN, S, h, b, slob, offs_m, N, scale, HAS_SSMAX, BLOCK_M)
+            # Transposed tiles (keys × queries): p^T and dlogits^T are dv's and dk's left operands.
+            logits_t = tile(
+                q, k, offs_m, offs_n, lo_m, N, f, c, TABLE + h * N, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION, True
+            )[0]
+            p_t = tl.exp2(logits_t - (lse * LOG2E_C)[None, :])
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            dqk_t = p_t * (dp_t - delta[None, :])
             if HAS_SSMAX:
-                dqk = dqk * (s * log_n[:, None])
-            dk += tl.dot(tl.trans(dqk).to(q.dtype), q, input_precision=PRECISION)
+                dqk_t = dqk_t * c[None, :]
+            dk += tl.dot(dqk_t.to(q.dtype), q, input_precision=PRECISION)
 
     col_ok = (offs_n[:, None] < N) & (offs_d[None, :] < D)
     out = pid_bhk * N * D + offs_n[:, None] * D + offs_d[None, :]
@@ -311,7 +327,7 @@ def bwd_dkdv_kernel(
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok)
 
 
-@triton.autotune(configs=_configs([(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2)]), key=_TUNE_KEY)
+@triton.autotune(configs=_configs([(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1)]), key=_TUNE_KEY)
 @triton.jit
 def bwd_dq_kernel(
     Q,
@@ -323,9 +339,8 @@ def bwd_dq_kernel(
     LO,
     DQ,
     PARTIAL,
-    ALPHA,
-    BETA,
-    MU,
+    LOGN,
+    TABLE,
     S,
     sqb,
     sqh,
@@ -372,53 +387,63 @@ def bwd_dq_kernel(
     lo_m = tl.load(LO + b * slob + offs_m, mask=row_ok, other=0)
     q = _load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, sqd, N, D, UPCAST)
     do = _load_rows(DO + b * sdb + h * sdh, offs_m, offs_d, sdn, sdd, N, D, UPCAST)
-    lse = tl.load(LSE + pid_bh * N + offs_m, mask=row_ok, other=0.0)
+    lse2 = tl.load(LSE + pid_bh * N + offs_m, mask=row_ok, other=0.0) * LOG2E_C
     delta = tl.load(DELTA + pid_bh * N + offs_m, mask=row_ok, other=0.0)
-    alpha, beta, mu, s = _head_scalars(ALPHA, BETA, MU, S, h, HAS_PRIOR, HAS_SSMAX)
+    f, c, log_n = _row_scales(LOGN, S, h, b, slob, offs_m, N, scale, HAS_SSMAX, BLOCK_M)
+    # The head's tables: the prior (log2 units), then its derivatives per unit dL/dprior.
+    prior_tab = TABLE + h * N
+    alpha_tab = prior_tab + H * N
+    beta_tab = alpha_tab + H * N
+    mu_tab = beta_tab + H * N
 
+    # dL/dlogits @ k, without the row factor scale·c (applied at the end, so the q·k part of dL/ds
+    # is a row dot product of q with it rather than a product per score).
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Per-row sums over the keys of dL/dθα, dL/dθβ, dL/dμ and dL/ds; the host sums the rows.
+    # Per-row sums over the keys of dL/dlogits times each table; the host sums the rows.
     g_alpha = tl.zeros([BLOCK_M], tl.float32)
     g_beta = tl.zeros([BLOCK_M], tl.float32)
     g_mu = tl.zeros([BLOCK_M], tl.float32)
-    g_s = tl.zeros([BLOCK_M], tl.float32)
+    g_prior = tl.zeros([BLOCK_M], tl.float32)
     k_lo = (tl.load(LO + b * slob + q_start) // BLOCK_N) * BLOCK_N
     k_hi = tl.minimum(q_start + BLOCK_M, N)
     for k_start in range(k_lo, k_hi, BLOCK_N):
         offs_n = k_start + tl.arange(0, BLOCK_N)
         k = _load_rows(K + b * skb + hk * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
         v = _load_rows(V + b * svb + hk * svh, offs_n, offs_d, svn, svd, N, D, UPCAST)
-        logits, qk, prior, log_a, live, d, log_n = tile(
-            q, k, offs_m, offs_n, lo_m, N, alpha, beta, mu, s, scale, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION
+        logits, prior, allowed = tile(
+            q, k, offs_m, offs_n, lo_m, N, f, c, prior_tab, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION
         )
-        p = tl.exp(logits - lse[:, None])
+        p = tl.exp2(logits - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         # Softmax backward with the row term D_i = rowsum(dO⊙O): a key-tiled kernel never holds a
         # whole row of p. dlogits is exactly 0 on masked entries (p = 0 there).
         dlogits = p * (dp - delta[:, None])
-        dqk = dlogits
-        dprior = dlogits
-        if HAS_SSMAX:
-            # Chain rule through c = s·ln n_i (see the reference's backward).
-            if HAS_PRIOR and not BEFORE:
-                g_s += tl.sum(dlogits * (qk + prior), 1) * log_n
-            else:
-                g_s += tl.sum(dlogits * qk, 1) * log_n
-            dqk = dlogits * (s * log_n[:, None])
-            if not BEFORE:
-                dprior = dqk
-        dq += tl.dot(dqk.to(k.dtype), k, input_precision=PRECISION)
+        dq += tl.dot(dlogits.to(k.dtype), k, input_precision=PRECISION)
         if HAS_PRIOR:
-            g = tl.where(live, dprior * prior, 0.0)  # dL/d(exponent θα + θβ·ln(|d|+ε))
-            g_alpha += tl.sum(g, 1)
-            g_beta += tl.sum(g * log_a, 1)
-            if HAS_MU:  # d|d|/dμ = -sign(d); d(a^β)/da = β·a^β/a
-                sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
-                g_mu -= tl.sum(g * beta * sign / (tl.abs(d) + EPS_C), 1)
+            offset = offs_m[:, None] - offs_n[None, :]
+            g_alpha += tl.sum(dlogits * tl.load(alpha_tab + offset, mask=allowed, other=0.0), 1)
+            g_beta += tl.sum(dlogits * tl.load(beta_tab + offset, mask=allowed, other=0.0), 1)
+            if HAS_MU:
+                g_mu += tl.sum(dlogits * tl.load(mu_tab + offset, mask=allowed, other=0.0), 1)
+            if HAS_SSMAX and not BEFORE:
+                g_prior += tl.sum(dlogits * prior, 1)
 
+    # Chain rule through c = s·ln n_i (see the reference's backward): it scales q·k and, unless
+    # SSMax comes before the prior, the prior, whose θ gradients then carry c too.
+    g_s = log_n  # 0 without SSMax
+    if HAS_SSMAX:
+        # q loaded again rather than kept: held through the loop it would cost BLOCK_M·BLOCK_D
+        # registers across the whole loop (spills).
+        q = _load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, sqd, N, D, True)
+        g_s = log_n * scale * tl.sum(q * dq, 1)
+        if HAS_PRIOR and not BEFORE:
+            g_s += log_n * g_prior * LN2_C  # the prior table is in log2 units
+            g_alpha *= c
+            g_beta *= c
+            g_mu *= c
     tl.store(
         DQ + pid_bh * N * D + offs_m[:, None] * D + offs_d[None, :],
-        (dq * scale).to(DQ.dtype.element_ty),
+        (dq * (scale * c)[:, None]).to(DQ.dtype.element_ty),
         mask=row_ok[:, None] & (offs_d[None, :] < D),
     )
     part = PARTIAL + (pid_bh * N + offs_m) * 4
@@ -432,17 +457,32 @@ def _strides(t: Tensor):
     return tuple(t.stride())
 
 
-def _head_params(alpha, beta, mu, s, like: Tensor):
-    """fp32 per-head (θα, θβ, μ = 2·sinh θμ, s); a placeholder where absent (its flag is off)."""
-    f = [None if t is None else t.detach().float().contiguous() for t in (alpha, beta, mu, s)]
-    if f[0] is not None and f[2] is None:
-        f[2] = torch.zeros_like(f[0])
-    elif f[2] is not None:
-        f[2] = 2 * torch.sinh(f[2])
-    return [like if t is None else t for t in f]
+def prior_tables(alpha, beta, mu, n: int, device, weights: bool = False, mu_weights: bool = True) -> Tensor:
+    """(T, H, n) fp32, the prior's tables over the offsets i - j = 0..n-1 of a causal row (the prior
+    depends on the offset only; O(n·H) work per call instead of transcendentals per score): [0] the
+    prior (kernels/bam_attention.py::prior_terms) times log2(e), the kernels' logit units; with
+    `weights` also its derivatives (prior_weights at dL/dprior = 1), [1] θα's, [2] θβ's and, with θμ
+    and `mu_weights`, [3] μ's, which the dq kernel sums against dL/dlogits per row."""
+    p = bam_params(torch.float32, (alpha, beta, mu, None), False, 1.0)
+    prior = prior_terms(p, -torch.arange(n, device=device))
+    tables = [prior[0] * LOG2E]
+    if weights:
+        da, db, dm = prior_weights(1.0, prior, p)
+        tables += [da, db] + ([dm] if dm is not None and mu_weights else [])
+    return torch.stack(tables).contiguous()
 
 
-def _launch_args(q, k, lo, heads):
+def _row_inputs(q: Tensor, lo: Tensor, alpha, beta, mu, s, **tables) -> tuple:
+    """(LOGN, TABLE, S) launch arguments: ln n_i per row (B or 1, N) and s with SSMax, the prior's
+    tables with a prior; q in place of those absent (their flags are off, they are never read)."""
+    N = q.shape[2]
+    log_n = None if s is None else key_count_log(lo, torch.arange(N, device=q.device), torch.float32)
+    table = None if alpha is None else prior_tables(alpha, beta, mu, N, q.device, **tables)
+    s = None if s is None else s.detach().float().contiguous()
+    return tuple(q if t is None else t for t in (log_n, table, s))
+
+
+def _launch_args(q, k, lo, alpha, s):
     """Arguments shared by the three kernels' launches (shapes, feature flags, dot precision)."""
     B, H, N, D = q.shape
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: no TF32 rounding
@@ -454,18 +494,16 @@ def _launch_args(q, k, lo, heads):
         BLOCK_D=max(16, triton.next_power_of_2(D)),
         UPCAST=INTERPRET,
         PRECISION=precision,
-        HAS_PRIOR=heads[0] is not None,
-        HAS_SSMAX=heads[3] is not None,
+        HAS_PRIOR=alpha is not None,
+        HAS_SSMAX=s is not None,
         slob=lo.stride(0) if lo.shape[0] > 1 else 0,
     )
 
 
 def forward(q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior: bool, scale: float, out: Tensor, lse: Tensor) -> None:
-    """Fill out (B, H, N, BLOCK_D) fp32 and lse (B, H, N) fp32; lo (B or 1, N) int32 key starts.
-    k, v may have H_kv | H heads (query head h reads head h // (H // H_kv))."""
+    """Fill out (B, H, N, BLOCK_D) fp32 and lse (B, H, N) fp32 (natural log); lo (B or 1, N) int32 key
+    starts. k, v may have H_kv | H heads (query head h reads head h // (H // H_kv))."""
     B, H, N, _ = q.shape
-    heads = [alpha, beta, mu, s]
-    args = _launch_args(q, k, lo, heads)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
     fwd_kernel[grid](
         q,
@@ -474,13 +512,13 @@ def forward(q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior: bool, scale: fl
         out,
         lse,
         lo,
-        *_head_params(*heads, like=lse),
+        *_row_inputs(q, lo, alpha, beta, mu, s),
         *_strides(q),
         *_strides(k),
         *_strides(v),
         scale=scale,
         BEFORE=ssmax_before_prior,
-        **args,
+        **_launch_args(q, k, lo, alpha, s),
     )
 
 
@@ -512,14 +550,15 @@ def backward(
     (a row with one key otherwise gets rounding noise times the prior's large derivative).
     """
     B, H, N, D = q.shape
-    heads = [alpha, beta, mu, s]
-    args = _launch_args(q, k, lo, heads)
+    args = _launch_args(q, k, lo, alpha, s)
+    has_mu = mu is not None and mu_grad
     delta = (dout.float() * out[..., :D]).sum(-1).contiguous()
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
-    params = _head_params(*heads, like=lse)
-    # One program per (key block, batch·kv head), looping over the group's query heads.
+    rows = _row_inputs(q, lo, alpha, beta, mu, s, weights=True, mu_weights=has_mu)
+    # One program per (key block, batch·kv head), looping over the group's query heads; it reads the
+    # prior's table only (the first of the tables).
     bwd_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), B * k.shape[1])](
-        q, k, v, dout, lse, delta, lo, last, dk, dv, *params, *common, scale=scale, BEFORE=ssmax_before_prior, **args
+        q, k, v, dout, lse, delta, lo, last, dk, dv, *rows, *common, scale=scale, BEFORE=ssmax_before_prior, **args
     )
     # dL/d(θα, θβ, μ, s) of each row, summed here: every row is written once whatever the tile size
     # (autotuning tries several), and the sum is deterministic unlike atomics.
@@ -534,10 +573,10 @@ def backward(
         lo,
         dq,
         partial,
-        *params,
+        *rows,
         *common,
         scale=scale,
-        HAS_MU=mu is not None and mu_grad,
+        HAS_MU=has_mu,
         BEFORE=ssmax_before_prior,
         **args,
     )

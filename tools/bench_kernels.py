@@ -13,7 +13,7 @@ mLSTM rows if time is short):
    fully causal) against kernels/bam_attention.py (fp32 on the same bf16 values), output and input
    gradients; the script stops with exit code 1 if any is off by more than 3e-2 relative.
 2. Timing, bf16, head dim 128, batch 1 × 16 heads, GGD prior + SSMax, fully causal, for N in --lengths:
-   bam       the fused kernel (kernels/bam_attention_triton.py), prior and SSMax inside the tile loop;
+   bam       the fused kernel (kernels/bam_attention_triton.py), prior (an offset table) and SSMax in the tile loop;
    sdpa      torch SDPA restricted to the flash backend, no prior and no SSMax: the speed ceiling;
    flex      the FlexAttention op the dispatch runs on CUDA (kernels/bam_attention_torch.py: compiled,
              the prior a score_mod, SSMax folded into q), prior and SSMax held fixed;

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The standing GPU check: the Triton kernels' benchmark (correctness first, then its tables), then short
-# bf16 trainings of the tiny configs on CUDA through the ops model.kernels=auto picks on CUDA tensors
-# (the dispatch logs each choice and why): BAM's learnable prior on the Triton kernel, SWAX's windowed
-# RoPE layers on compiled FlexAttention, and the BAM config with RoPE instead of its prior (SSMax
-# kept) on torch's SDPA. One command, sized for a 10-minute device call:
+# The standing GPU check: the Triton kernels' instruction budget as the image's Triton compiles them,
+# their benchmark (correctness first, then its tables), then short bf16 trainings of the tiny configs on
+# CUDA through the ops model.kernels=auto picks on CUDA tensors (the dispatch logs each choice and why):
+# BAM's learnable prior on the Triton kernel, SWAX's windowed RoPE layers on compiled FlexAttention, and
+# the BAM config with RoPE instead of its prior (SSMax kept) on torch's SDPA. One command, sized for a
+# 10-minute device call:
 #
 #   run(command="bash tools/gpu_check.sh", carry=[".gpu"], timeout_s=600)
 #
@@ -12,7 +13,8 @@
 # docs/benchmarks.md "GPU kernels". Only the wheels whose module the image lacks are
 # installed. Everything printed also goes to $OUT/gpu_check.log.
 #
-# GPU_CHECK_BENCH=0 skips the benchmark; GPU_CHECK_TRAIN names the trainings (bam, swax, rope; 0: none).
+# GPU_CHECK_BENCH=0 skips the benchmark, GPU_CHECK_BUDGET=0 the instruction budget
+# (tools/kernel_budget.py); GPU_CHECK_TRAIN names the trainings (bam, swax, rope; 0: none).
 # GPU_CHECK_DRY=1 runs the same steps on CPU at tiny sizes (the benchmark under the Triton
 # interpreter, 3 training steps): it proves the script, not the GPU.
 set -uo pipefail
@@ -55,9 +57,18 @@ print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torc
       triton.__version__, 'deepspeed', deepspeed.__version__, 'streaming', streaming.__version__)" || exit 1
 
 if [[ -n ${GPU_CHECK_DRY:-} ]]; then
-  bench=(--dry-run) steps=3 warmup=1 bench_limit=300
+  bench=(--dry-run) steps=3 warmup=1 bench_limit=300 budget=(--kernels bam_fwd --variants prior)
 else
-  bench=(--variants bam sdpa flex --reps 5 ${GPU_CHECK_BENCH_ARGS:-}) steps=100 warmup=20 bench_limit=280
+  bench=(--variants bam sdpa flex --reps 5 ${GPU_CHECK_BENCH_ARGS:-}) steps=100 warmup=20 bench_limit=260
+  budget=()
+fi
+# The kernels' instruction budget as the image's own Triton compiles them (sm_90, bf16; no GPU used,
+# 38 compiles, well under a minute on its cores): MUFU per score and spills per autotune config.
+if [[ ${GPU_CHECK_BUDGET:-1} == 1 ]]; then
+  echo "== gpu_check: tools/kernel_budget.py --arch 90 ${budget[*]}"
+  SECONDS=0
+  env -u TRITON_INTERPRET timeout 90 "$PY" tools/kernel_budget.py --arch 90 "${budget[@]}"
+  echo "gpu_check: kernel_budget exit $? after $SECONDS s"
 fi
 if [[ ${GPU_CHECK_BENCH:-1} == 1 ]]; then  # GPU_CHECK_BENCH=0: the trainings alone
   echo "== gpu_check: tools/bench_kernels.py ${bench[*]}"
