@@ -12,10 +12,14 @@ head's θ), so the host computes it once per call as a per-head table over a cau
 0..N-1 (prior_tables: O(N·H), from the reference's prior_terms) and a tile reads it with one gather
 by offset. SSMax's c = s·ln n_i is a per-row vector (ln n_i a host table like lo), and the softmax
 scale and log2(e) fold into q·k's row factor f, so the logits come out in log2 units, q·k·f + prior·c
-(or + prior), and p = exp2(logits - m): the only transcendental per score. The lse is stored in
-natural log. The dq kernel's θ gradients are per-row sums of dL/dlogits times per-offset weight
-tables (the prior's derivatives, prior_weights at dL/dprior = 1: one gather and one FMA per table
-per score); the q·k part of dL/ds is a row dot product of q with dL/dlogits·k, taken once per row.
+(or + prior), and p = exp2(logits - m): the only transcendental per score. Each row's max m and
+log2 of its sum are stored apart (STATS; one log-sum-exp of magnitude 10³-10⁴, which q, k × 30 or a
+steep prior give, would round p by up to 10⁻³), with the key of the max (TOP). The dq kernel's θ
+gradients are per-row sums of dL/dlogits times per-offset weight tables (the prior's derivatives,
+prior_weights at dL/dprior = 1: one gather and one FMA per table per score); the q·k part of dL/ds
+is a row dot product of q with dL/dlogits·k, taken once per row.
+Those row sums are centred on the row's largest logit, Σ_j dS_ij·(X_ij - X_ij*) (the reasons are the
+C kernel's: kernels/bam_attention_cpu_impl.h, backward), so a row whose softmax is one key adds 0.
 tools/kernel_budget.py counts the result in the compiled machine code (docs/benchmarks.md).
 
 The dk/dv kernel works on transposed tiles (keys × queries) so that p and dL/dlogits feed dv and dk
@@ -145,9 +149,10 @@ def tile(
 
 # Every config in the three lists compiles without register spills for sm_90 at D 128 (bf16/fp16
 # inputs, GROUP 1 and > 1; tools/kernel_budget.py, tests/unit/test_kernel_budget.py). Dropped for
-# spilling: forward 128x64 and 64x128 at 4 warps; dk/dv 64-query tiles (64x128 w8, 64x64 w4) and, at
-# GROUP > 1 (the group loop around the query loop), 32-query tiles pipelined over 2-3 stages; dq
-# 64-key tiles (128x64 w8, 64x64 w4) and 128x32 at 4 warps.
+# spilling: forward 128x64 and 64x128 at 4 warps; dk/dv 64-query tiles (64x128 w8, 64x64 w4), any
+# tile at 4 warps with 128 keys, and at GROUP > 1 (the group loop around the query loop) the 32-query
+# tiles (_dkdv_configs); dq 64-key tiles (128x64 w8, 64x64 w4), 64x32 at 4 warps, and 128x32 over 2
+# stages once the row sums were centred (a row's key j* and its sum of dL/dlogits live to the end).
 @triton.autotune(configs=_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 4)]), key=_TUNE_KEY)
 @triton.jit
 def fwd_kernel(
@@ -155,7 +160,8 @@ def fwd_kernel(
     K,
     V,
     O,
-    LSE,
+    STATS,
+    TOP,
     LO,
     LOGN,
     TABLE,
@@ -187,7 +193,8 @@ def fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Output rows and row log-sum-exp (natural log) of one query block of one (batch, query head)."""
+    """Output rows, each row's (max, log2 of the sum) of its logits in log2 units and the key of the max,
+    for one query block of one (batch, query head)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # base offsets b·stride, bh·N·D can pass 2^31
     b = pid_bh // H
@@ -204,6 +211,7 @@ def fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    top = offs_m  # the key of each row's largest logit so far (the diagonal: always allowed)
     # lo is non-decreasing in the row, so the block's first row has the earliest key.
     k_lo = (tl.load(LO + b * slob + q_start) // BLOCK_N) * BLOCK_N
     k_hi = tl.minimum(q_start + BLOCK_M, N)
@@ -212,7 +220,9 @@ def fwd_kernel(
         k = _load_rows(K + b * skb + hk * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
         v = _load_rows(V + b * svb + hk * svh, offs_n, offs_d, svn, svd, N, D, UPCAST)
         logits = tile(q, k, offs_m, offs_n, lo_m, N, f, c, TABLE + h * N, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION)[0]
-        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        tile_max, tile_top = tl.max(logits, 1, return_indices=True)
+        top = tl.where(tile_max > m_i, k_start + tile_top, top)
+        m_new = tl.maximum(m_i, tile_max)
         # A row may have no allowed key in this tile yet (document or window start further on):
         # subtract 0 then, so exp2() gives 0 rather than NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -226,18 +236,32 @@ def fwd_kernel(
     l_i = tl.where(row_ok, l_i, 1.0)  # padding rows saw nothing; keep them finite
     o_ptr = O + pid_bh * N * BLOCK_D + offs_m[:, None] * BLOCK_D + offs_d[None, :]
     tl.store(o_ptr, acc / l_i[:, None], mask=row_ok[:, None])
-    tl.store(LSE + pid_bh * N + offs_m, (m_i + tl.log2(l_i)) * LN2_C, mask=row_ok)
+    tl.store(STATS + (pid_bh * N + offs_m) * 2, m_i, mask=row_ok)
+    tl.store(STATS + (pid_bh * N + offs_m) * 2 + 1, tl.log2(l_i), mask=row_ok)
+    tl.store(TOP + pid_bh * N + offs_m, top, mask=row_ok)
+
+
+def _dkdv_configs(configs, named_args, **kwargs):
+    """The dk/dv configs for a launch: the 32-query tiles spill at GROUP > 1 (3-6 STL on sm_90)."""
+    # The launch passes GROUP by keyword; the autotuner hands keyword arguments over apart.
+    if {**named_args, **kwargs}["GROUP"] == 1 or INTERPRET:
+        return configs
+    return [c for c in configs if c.kwargs["BLOCK_M"] < 32]
 
 
 # GROUP in the key: with grouped-query attention the dk/dv grid has GROUP times fewer, longer programs.
-@triton.autotune(configs=_configs([(32, 128, 8, 1), (32, 64, 4, 1), (16, 128, 8, 2)]), key=_TUNE_KEY + ["GROUP"])
+@triton.autotune(
+    configs=_configs([(32, 128, 8, 1), (32, 64, 4, 1), (16, 128, 8, 2), (16, 64, 4, 2)]),
+    key=_TUNE_KEY + ["GROUP"],
+    prune_configs_by={"early_config_prune": _dkdv_configs},
+)
 @triton.jit
 def bwd_dkdv_kernel(
     Q,
     K,
     V,
     DO,
-    LSE,
+    STATS,
     DELTA,
     LO,
     LAST,
@@ -299,21 +323,22 @@ def bwd_dkdv_kernel(
     q_hi = tl.load(LAST + b * slob + tl.minimum(k_start + BLOCK_N, N) - 1)
     for g in range(0, GROUP):
         h = hk * GROUP + g  # query head
-        pid_bh = b * H + h  # its row of LSE and DELTA
+        pid_bh = b * H + h  # its rows of STATS and DELTA
         for q_start in range(q_lo, q_hi, BLOCK_M):
             offs_m = q_start + tl.arange(0, BLOCK_M)
             row_ok = offs_m < N
             lo_m = tl.load(LO + b * slob + offs_m, mask=row_ok, other=0)
             q = _load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, sqd, N, D, UPCAST)
             do = _load_rows(DO + b * sdb + h * sdh, offs_m, offs_d, sdn, sdd, N, D, UPCAST)
-            lse = tl.load(LSE + pid_bh * N + offs_m, mask=row_ok, other=0.0)
+            m2 = tl.load(STATS + (pid_bh * N + offs_m) * 2, mask=row_ok, other=0.0)
+            l2 = tl.load(STATS + (pid_bh * N + offs_m) * 2 + 1, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + pid_bh * N + offs_m, mask=row_ok, other=0.0)
             f, c, _ = _row_scales(LOGN, S, h, b, slob, offs_m, N, scale, HAS_SSMAX, BLOCK_M)
             # Transposed tiles (keys × queries): p^T and dlogits^T are dv's and dk's left operands.
             logits_t = tile(
                 q, k, offs_m, offs_n, lo_m, N, f, c, TABLE + h * N, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION, True
             )[0]
-            p_t = tl.exp2(logits_t - (lse * LOG2E_C)[None, :])
+            p_t = tl.exp2(logits_t - m2[None, :] - l2[None, :])
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             dqk_t = p_t * (dp_t - delta[None, :])
@@ -327,14 +352,15 @@ def bwd_dkdv_kernel(
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok)
 
 
-@triton.autotune(configs=_configs([(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1)]), key=_TUNE_KEY)
+@triton.autotune(configs=_configs([(128, 32, 8, 1), (64, 32, 8, 2), (128, 16, 8, 2)]), key=_TUNE_KEY)
 @triton.jit
 def bwd_dq_kernel(
     Q,
     K,
     V,
     DO,
-    LSE,
+    STATS,
+    TOP,
     DELTA,
     LO,
     DQ,
@@ -387,7 +413,8 @@ def bwd_dq_kernel(
     lo_m = tl.load(LO + b * slob + offs_m, mask=row_ok, other=0)
     q = _load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, sqd, N, D, UPCAST)
     do = _load_rows(DO + b * sdb + h * sdh, offs_m, offs_d, sdn, sdd, N, D, UPCAST)
-    lse2 = tl.load(LSE + pid_bh * N + offs_m, mask=row_ok, other=0.0) * LOG2E_C
+    m2 = tl.load(STATS + (pid_bh * N + offs_m) * 2, mask=row_ok, other=0.0)
+    l2 = tl.load(STATS + (pid_bh * N + offs_m) * 2 + 1, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + pid_bh * N + offs_m, mask=row_ok, other=0.0)
     f, c, log_n = _row_scales(LOGN, S, h, b, slob, offs_m, N, scale, HAS_SSMAX, BLOCK_M)
     # The head's tables: the prior (log2 units), then its derivatives per unit dL/dprior.
@@ -404,6 +431,7 @@ def bwd_dq_kernel(
     g_beta = tl.zeros([BLOCK_M], tl.float32)
     g_mu = tl.zeros([BLOCK_M], tl.float32)
     g_prior = tl.zeros([BLOCK_M], tl.float32)
+    rest = tl.zeros([BLOCK_M], tl.float32)  # Σ_j dL/dlogits: 0 in exact arithmetic
     k_lo = (tl.load(LO + b * slob + q_start) // BLOCK_N) * BLOCK_N
     k_hi = tl.minimum(q_start + BLOCK_M, N)
     for k_start in range(k_lo, k_hi, BLOCK_N):
@@ -413,12 +441,13 @@ def bwd_dq_kernel(
         logits, prior, allowed = tile(
             q, k, offs_m, offs_n, lo_m, N, f, c, prior_tab, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION
         )
-        p = tl.exp2(logits - lse2[:, None])
+        p = tl.exp2(logits - m2[:, None] - l2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         # Softmax backward with the row term D_i = rowsum(dO⊙O): a key-tiled kernel never holds a
         # whole row of p. dlogits is exactly 0 on masked entries (p = 0 there).
         dlogits = p * (dp - delta[:, None])
         dq += tl.dot(dlogits.to(k.dtype), k, input_precision=PRECISION)
+        rest += tl.sum(dlogits, 1)
         if HAS_PRIOR:
             offset = offs_m[:, None] - offs_n[None, :]
             g_alpha += tl.sum(dlogits * tl.load(alpha_tab + offset, mask=allowed, other=0.0), 1)
@@ -427,6 +456,18 @@ def bwd_dq_kernel(
                 g_mu += tl.sum(dlogits * tl.load(mu_tab + offset, mask=allowed, other=0.0), 1)
             if HAS_SSMAX and not BEFORE:
                 g_prior += tl.sum(dlogits * prior, 1)
+
+    # Every row sum centred on the row's largest logit (key j*): Σ_j dS_ij·(X_ij - X_ij*).
+    top = tl.load(TOP + pid_bh * N + offs_m, mask=row_ok, other=0)
+    dq -= rest[:, None] * _load_rows(K + b * skb + hk * skh, top, offs_d, skn, skd, N, D, UPCAST).to(tl.float32)
+    if HAS_PRIOR:
+        at = tl.where(row_ok, offs_m - top, 0)  # the offset i - j* (>= 0)
+        g_alpha -= rest * tl.load(alpha_tab + at)
+        g_beta -= rest * tl.load(beta_tab + at)
+        if HAS_MU:
+            g_mu -= rest * tl.load(mu_tab + at)
+        if HAS_SSMAX and not BEFORE:
+            g_prior -= rest * tl.load(prior_tab + at)
 
     # Chain rule through c = s·ln n_i (see the reference's backward): it scales q·k and, unless
     # SSMax comes before the prior, the prior, whose θ gradients then carry c too.
@@ -500,9 +541,12 @@ def _launch_args(q, k, lo, alpha, s):
     )
 
 
-def forward(q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior: bool, scale: float, out: Tensor, lse: Tensor) -> None:
-    """Fill out (B, H, N, BLOCK_D) fp32 and lse (B, H, N) fp32 (natural log); lo (B or 1, N) int32 key
-    starts. k, v may have H_kv | H heads (query head h reads head h // (H // H_kv))."""
+def forward(
+    q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior: bool, scale: float, out: Tensor, stats: Tensor, top: Tensor
+) -> None:
+    """Fill out (B, H, N, BLOCK_D) fp32, stats (B, H, N, 2) fp32 (each row's logit max and log2 of its
+    sum, log2 units) and top (B, H, N) int32 (the key of the max); lo (B or 1, N) int32 key starts.
+    k, v may have H_kv | H heads (query head h reads head h // (H // H_kv))."""
     B, H, N, _ = q.shape
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
     fwd_kernel[grid](
@@ -510,7 +554,8 @@ def forward(q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior: bool, scale: fl
         k,
         v,
         out,
-        lse,
+        stats,
+        top,
         lo,
         *_row_inputs(q, lo, alpha, beta, mu, s),
         *_strides(q),
@@ -528,7 +573,8 @@ def backward(
     v,
     out,
     dout,
-    lse,
+    stats,
+    top,
     lo,
     last,
     alpha,
@@ -558,7 +604,7 @@ def backward(
     # One program per (key block, batch·kv head), looping over the group's query heads; it reads the
     # prior's table only (the first of the tables).
     bwd_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), B * k.shape[1])](
-        q, k, v, dout, lse, delta, lo, last, dk, dv, *rows, *common, scale=scale, BEFORE=ssmax_before_prior, **args
+        q, k, v, dout, stats, delta, lo, last, dk, dv, *rows, *common, scale=scale, BEFORE=ssmax_before_prior, **args
     )
     # dL/d(θα, θβ, μ, s) of each row, summed here: every row is written once whatever the tile size
     # (autotuning tries several), and the sum is deterministic unlike atomics.
@@ -568,7 +614,8 @@ def backward(
         k,
         v,
         dout,
-        lse,
+        stats,
+        top,
         delta,
         lo,
         dq,
@@ -588,16 +635,17 @@ class _BAMAttentionTriton(torch.autograd.Function):
     def forward(ctx, q, k, v, alpha, beta, mu, s, lo, last, ssmax_before_prior, scale):
         B, H, N, D = q.shape
         out = torch.empty(B, H, N, max(16, triton.next_power_of_2(D)), dtype=torch.float32, device=q.device)
-        lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
-        forward(q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior, scale, out, lse)
-        ctx.save_for_backward(q, k, v, out, lse, lo, last, alpha, beta, mu, s)
+        stats = torch.empty(B, H, N, 2, dtype=torch.float32, device=q.device)
+        top = torch.empty(B, H, N, dtype=torch.int32, device=q.device)
+        forward(q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior, scale, out, stats, top)
+        ctx.save_for_backward(q, k, v, out, stats, top, lo, last, alpha, beta, mu, s)
         ctx.cfg = (ssmax_before_prior, scale)
         return out[..., :D].to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse, lo, last, alpha, beta, mu, s = ctx.saved_tensors
+        q, k, v, out, stats, top, lo, last, alpha, beta, mu, s = ctx.saved_tensors
         ssmax_before_prior, scale = ctx.cfg
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         heads = backward(
@@ -606,7 +654,8 @@ class _BAMAttentionTriton(torch.autograd.Function):
             v,
             out,
             dout,
-            lse,
+            stats,
+            top,
             lo,
             last,
             alpha,

@@ -106,12 +106,13 @@ def bam_launches(module, dtype, variant):
     s = torch.ones(H)
     lo, last = module.key_bounds(None, None, N, q.device)
     out = torch.zeros(B, H, N, D)
-    lse = torch.zeros(B, H, N)
+    stats = torch.zeros(B, H, N, 2)
+    top = torch.zeros(B, H, N, dtype=torch.int32)
     grads = [torch.zeros_like(t) for t in (q, k, v)]
 
     def host():
-        module.forward(q, k, v, lo, *heads, s, False, D**-0.5, out, lse)
-        module.backward(q, k, v, out, dout, lse, lo, last, *heads, s, False, D**-0.5, *grads)
+        module.forward(q, k, v, lo, *heads, s, False, D**-0.5, out, stats, top)
+        module.backward(q, k, v, out, dout, stats, top, lo, last, *heads, s, False, D**-0.5, *grads)
 
     names = ("fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel")
     return [Launch(name, variant, args, kwargs) for name, args, kwargs in record(module, names, host)]

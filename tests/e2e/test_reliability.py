@@ -128,10 +128,23 @@ def test_a_kill_before_the_first_checkpoint_restarts_from_step_zero(tmp_path, da
     assert (tmp_path / "early" / "checkpoints" / "latest").read_text().strip() == "step_00000003"
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (the kernel's SigCgt mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
 def test_sigterm_during_start_up_exits_75(tmp_path, data_cache):
     proc = start_train(tmp_path, data_cache, "run.name=startup", log=tmp_path / "startup.log")
-    time.sleep(1.0)  # importing torch and DeepSpeed: long before the first step
-    assert proc.poll() is None
+    # Sent once the start-up handler is in place (a fixed sleep raced it on a loaded machine: the
+    # default action killed the process), still long before the first step: torch and DeepSpeed
+    # take seconds to import after it.
+    deadline = time.monotonic() + 60
+    while not catches(proc.pid, signal.SIGTERM) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None and catches(proc.pid, signal.SIGTERM)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 75
     assert "SIGTERM during start-up; nothing to save, exit 75 (requeue)" in (tmp_path / "startup.log").read_text()

@@ -2,15 +2,23 @@
 autograd on the same inputs: where logits or priors are large (q, k × 30; a prior that keeps every
 visible key far below zero), a key-tiled backward's rounding (one logsumexp, delta = rowsum(dO·O))
 used to leave each row's dS summing to noise that the θ and s reductions multiplied into spurious
-gradients (0.05 on heads whose true gradient is 1e-87). Each op must stay within 10× of dense
-autograd's error, and heads whose true gradient is ~0 must get ~0."""
+gradients (0.05 on heads whose true gradient is 1e-87). Each op (the Triton kernel under the
+interpreter) must stay within 10× of dense autograd's error, and heads whose true gradient is ~0
+must get ~0."""
+
+import os
 
 import pytest
 import torch
-from helpers.attention_reference import dense_reference
 
-import megabam.kernels.bam_attention_cpu as c_tiles
-from megabam.kernels.bam_attention import AttentionOptions, bam_attention
+os.environ["TRITON_INTERPRET"] = "1"  # before the Triton kernel's module is imported (as test_kernels_triton)
+from helpers.attention_reference import dense_reference  # noqa: E402
+
+import megabam.kernels.bam_attention_cpu as c_tiles  # noqa: E402
+import megabam.kernels.bam_attention_triton as kt  # noqa: E402
+from megabam.kernels.bam_attention import AttentionOptions, bam_attention  # noqa: E402
+
+assert kt.INTERPRET, "kernels.bam_attention_triton was imported before TRITON_INTERPRET=1 was set"
 
 H = 4
 THETAS = dict(alpha=[0.0, -2, 1, -4], beta=[1.0, 0.5, -1, 2], mu=[0.0, 0.3, -0.2, 0.1], s=[1.0, 0.8, 1.2, 0.5])
@@ -50,10 +58,13 @@ def gradients(op, tensors, thetas, before, dtype) -> dict:
     return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad, **{key: t.grad for key, t in th.items()}}
 
 
-@pytest.fixture(params=["reference", "c_tiles"])
+@pytest.fixture(params=["reference", "c_tiles", "triton"])
 def op(request):
+    """The PyTorch op, the C kernel's, or the Triton kernel's under the interpreter."""
     if request.param == "reference":
         return bam_attention
+    if request.param == "triton":
+        return kt.bam_attention_triton
     assert c_tiles.library() is not None, "the C tiles did not build (see the warning logged)"
     return c_tiles.bam_attention_cpu
 

@@ -23,10 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _cuobjdump() -> str | None:
-    spec = importlib.util.find_spec("triton.backends.nvidia")
+    # Found without importing triton: this runs at collection, and importing triton before a file
+    # that sets TRITON_INTERPRET in-process (test_kernels_triton) would leave that file's kernels
+    # compiled for the GPU.
+    spec = importlib.util.find_spec("triton")
     if spec is None or spec.origin is None:
         return None
-    path = os.path.join(os.path.dirname(spec.origin), "bin", "cuobjdump")
+    path = os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", "cuobjdump")
     return path if os.access(path, os.X_OK) else None
 
 
@@ -46,6 +49,9 @@ def rows(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+VARIANTS = ("prior", "no prior", "prior gqa")
+
+
 def test_every_autotune_config_compiles_without_spills(rows):
     assert not [r for r in rows if "error" in r]
     # Every config each kernel declares, with and without the prior: the GPU's list (several), not
@@ -55,9 +61,11 @@ def test_every_autotune_config_compiles_without_spills(rows):
     for kernel in kernels:
         configs = {r["config"] for r in rows if r["kernel"] == kernel}
         assert len(configs) > 1, (kernel, configs)
-        assert {(r["variant"], r["config"]) for r in rows if r["kernel"] == kernel} == {
-            (v, c) for v in ("prior", "no prior", "prior gqa") for c in configs
-        }
+        by_variant = {v: {r["config"] for r in rows if r["kernel"] == kernel and r["variant"] == v} for v in VARIANTS}
+        assert by_variant["prior"] == by_variant["no prior"] == configs, (kernel, by_variant)
+        # dk/dv prunes its list at GROUP > 1 (bam_attention_triton._dkdv_configs); the others keep it.
+        gqa = by_variant["prior gqa"]
+        assert gqa and (gqa < configs if kernel == "bwd_dkdv_kernel" else gqa == configs), (kernel, by_variant)
     spills = [(r["kernel"], r["variant"], r["config"], r["STL"], r["LDL"]) for r in rows if r["STL"] or r["LDL"]]
     assert not spills
 

@@ -215,21 +215,23 @@ def test_no_grad_for_inputs_not_requiring_it():
 
 @pytest.mark.parametrize("heads, kv_heads", [(H, H), (4, 2)])
 def test_poisoned_outputs_are_overwritten(heads, kv_heads):
-    """Every element of out, lse, dq, dk and dv is written: NaN-filled buffers come back finite and
-    equal to freshly allocated ones (also with grouped-query attention: dk, dv of k's shape)."""
+    """Every element of out, stats, top, dq, dk and dv is written: NaN-filled (or -1-filled) buffers come
+    back finite and equal to freshly allocated ones (also with grouped-query attention: dk, dv of k's
+    shape)."""
     q, k, v, a, b, m, s = (t.detach() for t in gqa_inputs(torch.float32, heads, kv_heads))
     lo, last = kt.key_bounds(DOCS, 16, N, q.device)
     cfg = (False, D**-0.5)
     bufs = []
     for fill in (0.0, math.nan):
         out = torch.full((B, heads, N, D), fill)
-        lse = torch.full((B, heads, N), fill)
-        kt.forward(q, k, v, lo, a, b, m, s, *cfg, out, lse)
+        stats = torch.full((B, heads, N, 2), fill)
+        top = torch.full((B, heads, N), 0 if fill == 0 else -1, dtype=torch.int32)
+        kt.forward(q, k, v, lo, a, b, m, s, *cfg, out, stats, top)
         dq = torch.full((B, heads, N, D), fill)
         dk, dv = (torch.full((B, kv_heads, N, D), fill) for _ in range(2))
         dout = torch.randn(B, heads, N, D, generator=torch.Generator().manual_seed(2))
-        kt.backward(q, k, v, out, dout, lse, lo, last, a, b, m, s, *cfg, dq, dk, dv)
-        bufs.append((out, lse, dq, dk, dv))
+        kt.backward(q, k, v, out, dout, stats, top, lo, last, a, b, m, s, *cfg, dq, dk, dv)
+        bufs.append((out, stats, top, dq, dk, dv))
     for clean, poisoned in zip(*bufs):
         assert torch.isfinite(poisoned).all()
         torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
@@ -356,10 +358,10 @@ import megabam.kernels.bam_attention_triton as kt
 
 flags = dict(HAS_PRIOR=True, HAS_SSMAX=True, BEFORE=False, UPCAST=False, PRECISION="tf32", BLOCK_D=128,
              BLOCK_M=64, BLOCK_N=64)
-fp32 = ("O", "LSE", "DELTA", "PARTIAL", "LOGN", "TABLE", "S")
+fp32 = ("O", "STATS", "DELTA", "PARTIAL", "LOGN", "TABLE", "S")
 for kernel, extra in [(kt.fwd_kernel, {}), (kt.bwd_dkdv_kernel, {}), (kt.bwd_dq_kernel, {"HAS_MU": True})]:
     fn, consts = kernel.fn, {**flags, **extra}
-    sig = {a: "constexpr" if a in consts else "fp32" if a == "scale" else "*i32" if a in ("LO", "LAST")
+    sig = {a: "constexpr" if a in consts else "fp32" if a == "scale" else "*i32" if a in ("LO", "LAST", "TOP")
            else "*fp32" if a in fp32 else "*bf16" if a[0].isupper() and a not in ("H", "GROUP", "N", "D")
            else "i32"
            for a in fn.arg_names}
