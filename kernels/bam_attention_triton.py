@@ -22,6 +22,17 @@ Those row sums are centred on the row's largest logit, Σ_j dS_ij·(X_ij - X_ij*
 C kernel's: kernels/bam_attention_cpu_impl.h, backward), so a row whose softmax is one key adds 0.
 tools/kernel_budget.py counts the result in the compiled machine code (docs/benchmarks.md).
 
+Tiles the prior empties are left out (SKIP_EMPTY_TILES): a local head (θβ >= 1) puts most of a long
+row's keys so far below its max that exp2 gives exactly 0, and computing them would add exactly
+nothing. live_ranges bounds every score of a group of rows against a group of keys on the host
+(‖q_i‖·|f_i|·‖k_j‖ plus the prior's largest value over their offsets; the prior is unimodal in the
+offset, or largest at an end) and gives each row group the span of keys, and each key group the span
+of rows, outside which that bound is more than exp2's underflow below the rows' max (the forward's
+lower bound: each row's diagonal logit; the backward's: its final max); the kernels' loops run over
+those spans only, the forward from the diagonal back so that every row's running max is past its
+diagonal logit before a left-out tile would come. Outputs and gradients are bit-identical to the
+full loops (tests/unit/test_kernels_triton.py), and a local head costs about a sliding window.
+
 The dk/dv kernel works on transposed tiles (keys × queries) so that p and dL/dlogits feed dv and dk
 as the dots' left operands with no transpose in registers. The autotune lists keep only
 configurations that compile without register spills for sm_90 (tests/unit/test_kernel_budget.py).
@@ -68,6 +79,12 @@ LOG2E = math.log2(math.e)
 # Constexpr globals: the only globals a compiled kernel may read.
 LOG2E_C = tl.constexpr(LOG2E)
 LN2_C = tl.constexpr(math.log(2))
+# exp2 of anything below -UNDERFLOW is exactly 0 in fp32 (its smallest subnormal is 2^-149).
+UNDERFLOW = 160.0
+# Key tiles whose every score the prior provably puts exp2's underflow below its row's max add
+# exactly 0; the loops leave out those at either end of their range (live_ranges: bit-identical
+# results). The tests turn it off to compare.
+SKIP_EMPTY_TILES = True
 
 
 def _configs(pairs):
@@ -147,12 +164,25 @@ def tile(
     return tl.where(allowed, logits, float("-inf")), prior, allowed
 
 
+@triton.jit
+def _live_span(RANGES, start, stop, G):
+    """The span (first, end) of the other side's rows or keys that the groups of G covering
+    start..stop-1 may need (live_ranges' table of (first, end) per group)."""
+    first = tl.load(RANGES + (start // G) * 2)
+    end = tl.load(RANGES + (start // G) * 2 + 1)
+    for g in range(start // G + 1, (stop - 1) // G + 1):
+        first = tl.minimum(first, tl.load(RANGES + g * 2))
+        end = tl.maximum(end, tl.load(RANGES + g * 2 + 1))
+    return first, end
+
+
 # Every config in the three lists compiles without register spills for sm_90 at D 128 (bf16/fp16
-# inputs, GROUP 1 and > 1; tools/kernel_budget.py, tests/unit/test_kernel_budget.py). Dropped for
-# spilling: forward 128x64 and 64x128 at 4 warps; dk/dv 64-query tiles (64x128 w8, 64x64 w4), any
-# tile at 4 warps with 128 keys, and at GROUP > 1 (the group loop around the query loop) the 32-query
-# tiles (_dkdv_configs); dq 64-key tiles (128x64 w8, 64x64 w4), 64x32 at 4 warps, and 128x32 over 2
-# stages once the row sums were centred (a row's key j* and its sum of dL/dlogits live to the end).
+# inputs, GROUP 1 and > 1; tools/kernel_budget.py, tests/unit/test_kernel_budget.py); chosen so, not
+# yet timed on a GPU. Dropped for spilling: forward 128x64 and 64x128 at 4 warps; dk/dv 64-query tiles
+# (64x128 w8, 64x64 w4), any tile at 4 warps with 128 keys, and the 32-query tiles (at GROUP > 1 since
+# the group loop wraps the query loop, at 1 too since the live spans bound it); dq 64-key tiles
+# (128x64 w8, 64x64 w4), 64x32 at 4 warps, and 128x32 (once the row sums were centred and the key
+# span bounded: a row's key j* and its sum of dL/dlogits live to the end).
 @triton.autotune(configs=_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 4)]), key=_TUNE_KEY)
 @triton.jit
 def fwd_kernel(
@@ -166,6 +196,7 @@ def fwd_kernel(
     LOGN,
     TABLE,
     S,
+    LIVE,
     sqb,
     sqh,
     sqn,
@@ -183,10 +214,12 @@ def fwd_kernel(
     GROUP,
     N,
     D,
+    G,
     scale,
     HAS_PRIOR: tl.constexpr,
     HAS_SSMAX: tl.constexpr,
     BEFORE: tl.constexpr,
+    SKIP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -214,8 +247,16 @@ def fwd_kernel(
     top = offs_m  # the key of each row's largest logit so far (the diagonal: always allowed)
     # lo is non-decreasing in the row, so the block's first row has the earliest key.
     k_lo = (tl.load(LO + b * slob + q_start) // BLOCK_N) * BLOCK_N
-    k_hi = tl.minimum(q_start + BLOCK_M, N)
-    for k_start in range(k_lo, k_hi, BLOCK_N):
+    k_end = tl.minimum(q_start + BLOCK_M, N)
+    if SKIP:  # the key tiles at either end that the prior empties (live_ranges)
+        first, end = _live_span(LIVE + pid_bh * tl.cdiv(N, G) * 2, q_start, tl.minimum(q_start + BLOCK_M, N), G)
+        k_lo = tl.maximum(k_lo, (first // BLOCK_N) * BLOCK_N)
+        k_end = tl.minimum(k_end, end)
+    # From the diagonal back: by the time the tiles left out would come, each row's running max is
+    # past its diagonal logit, which live_ranges bounded them by (they would add exactly 0).
+    k_last = ((k_end - 1) // BLOCK_N) * BLOCK_N
+    for t in range(0, (k_last - k_lo) // BLOCK_N + 1):
+        k_start = k_last - t * BLOCK_N
         offs_n = k_start + tl.arange(0, BLOCK_N)
         k = _load_rows(K + b * skb + hk * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
         v = _load_rows(V + b * svb + hk * svh, offs_n, offs_d, svn, svd, N, D, UPCAST)
@@ -241,20 +282,8 @@ def fwd_kernel(
     tl.store(TOP + pid_bh * N + offs_m, top, mask=row_ok)
 
 
-def _dkdv_configs(configs, named_args, **kwargs):
-    """The dk/dv configs for a launch: the 32-query tiles spill at GROUP > 1 (3-6 STL on sm_90)."""
-    # The launch passes GROUP by keyword; the autotuner hands keyword arguments over apart.
-    if {**named_args, **kwargs}["GROUP"] == 1 or INTERPRET:
-        return configs
-    return [c for c in configs if c.kwargs["BLOCK_M"] < 32]
-
-
 # GROUP in the key: with grouped-query attention the dk/dv grid has GROUP times fewer, longer programs.
-@triton.autotune(
-    configs=_configs([(32, 128, 8, 1), (32, 64, 4, 1), (16, 128, 8, 2), (16, 64, 4, 2)]),
-    key=_TUNE_KEY + ["GROUP"],
-    prune_configs_by={"early_config_prune": _dkdv_configs},
-)
+@triton.autotune(configs=_configs([(16, 128, 8, 2), (16, 64, 4, 2)]), key=_TUNE_KEY + ["GROUP"])
 @triton.jit
 def bwd_dkdv_kernel(
     Q,
@@ -270,6 +299,7 @@ def bwd_dkdv_kernel(
     LOGN,
     TABLE,
     S,
+    LIVE,
     sqb,
     sqh,
     sqn,
@@ -291,10 +321,12 @@ def bwd_dkdv_kernel(
     GROUP,
     N,
     D,
+    G,
     scale,
     HAS_PRIOR: tl.constexpr,
     HAS_SSMAX: tl.constexpr,
     BEFORE: tl.constexpr,
+    SKIP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -324,7 +356,13 @@ def bwd_dkdv_kernel(
     for g in range(0, GROUP):
         h = hk * GROUP + g  # query head
         pid_bh = b * H + h  # its rows of STATS and DELTA
-        for q_start in range(q_lo, q_hi, BLOCK_M):
+        q_first = q_lo
+        q_end = q_hi
+        if SKIP:  # the query blocks at either end whose every score with these keys is 0 (live_ranges)
+            first, end = _live_span(LIVE + pid_bh * tl.cdiv(N, G) * 2, k_start, tl.minimum(k_start + BLOCK_N, N), G)
+            q_first = tl.maximum(q_lo, (first // BLOCK_M) * BLOCK_M)
+            q_end = tl.minimum(q_hi, end)
+        for q_start in range(q_first, q_end, BLOCK_M):
             offs_m = q_start + tl.arange(0, BLOCK_M)
             row_ok = offs_m < N
             lo_m = tl.load(LO + b * slob + offs_m, mask=row_ok, other=0)
@@ -352,7 +390,7 @@ def bwd_dkdv_kernel(
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok)
 
 
-@triton.autotune(configs=_configs([(128, 32, 8, 1), (64, 32, 8, 2), (128, 16, 8, 2)]), key=_TUNE_KEY)
+@triton.autotune(configs=_configs([(64, 32, 8, 2), (128, 16, 8, 2)]), key=_TUNE_KEY)
 @triton.jit
 def bwd_dq_kernel(
     Q,
@@ -368,6 +406,7 @@ def bwd_dq_kernel(
     LOGN,
     TABLE,
     S,
+    LIVE,
     sqb,
     sqh,
     sqn,
@@ -389,11 +428,13 @@ def bwd_dq_kernel(
     GROUP,
     N,
     D,
+    G,
     scale,
     HAS_PRIOR: tl.constexpr,
     HAS_MU: tl.constexpr,
     HAS_SSMAX: tl.constexpr,
     BEFORE: tl.constexpr,
+    SKIP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -434,6 +475,10 @@ def bwd_dq_kernel(
     rest = tl.zeros([BLOCK_M], tl.float32)  # Σ_j dL/dlogits: 0 in exact arithmetic
     k_lo = (tl.load(LO + b * slob + q_start) // BLOCK_N) * BLOCK_N
     k_hi = tl.minimum(q_start + BLOCK_M, N)
+    if SKIP:  # the key tiles at either end whose every score is 0 (live_ranges, from the final maxima)
+        first, end = _live_span(LIVE + pid_bh * tl.cdiv(N, G) * 2, q_start, tl.minimum(q_start + BLOCK_M, N), G)
+        k_lo = tl.maximum(k_lo, (first // BLOCK_N) * BLOCK_N)
+        k_hi = tl.minimum(k_hi, end)
     for k_start in range(k_lo, k_hi, BLOCK_N):
         offs_n = k_start + tl.arange(0, BLOCK_N)
         k = _load_rows(K + b * skb + hk * skh, offs_n, offs_d, skn, skd, N, D, UPCAST)
@@ -513,6 +558,80 @@ def prior_tables(alpha, beta, mu, n: int, device, weights: bool = False, mu_weig
     return torch.stack(tables).contiguous()
 
 
+def skip_group(n: int) -> int:
+    """Rows (and keys) per group of live_ranges' tables: at most 256 groups a side."""
+    return INTERPRET_BLOCK if INTERPRET else max(64, triton.next_power_of_2(triton.cdiv(n, 256)))
+
+
+def live_ranges(q, k, prior, c, scale: float, row_max, scaled: bool, group: int) -> tuple[Tensor, Tensor]:
+    """((B, H, R, 2), (B, H, R, 2)) int32: for each group of `group` query rows the span [first, end)
+    of keys outside which every score is 0 after exp2, and for each group of keys the span of query
+    rows likewise; the kernels leave out the tiles outside them (bit-identical: they would add 0).
+
+    A score of row i and key j is at most ‖q_i‖·|f_i|·‖k_j‖ (f_i = scale·log2(e)·c_i, c_i = SSMax's
+    factor or 1) plus the prior's largest value over the pair of groups' offsets (times c_i >= 0 when
+    SSMax scales the prior: `scaled`), with a relative slack for the kernels' rounding; a pair of
+    groups is empty when that bound is more than UNDERFLOW below the least `row_max` (B, H, N, log2
+    units; a lower bound of each row's largest logit) of its rows. `prior` (H, N): the prior's table
+    (log2 units) over the offsets i - j = 0..N-1; c (B or 1, H, N) or None."""
+    B, H, N, _ = q.shape
+    R = triton.cdiv(N, group)
+
+    def grouped(x: Tensor, fill: float, largest: bool) -> Tensor:  # (.., N) -> (.., R)
+        x = torch.nn.functional.pad(x, (0, R * group - N), value=fill).unflatten(-1, (R, group))
+        return x.amax(-1) if largest else x.amin(-1)
+
+    c = torch.ones(1, H, N, device=q.device) if c is None else c
+    f = (c * (scale * LOG2E)).abs()
+    # Norms rounded up by a part in a million: the bound must hold for the values the dots see.
+    q_bound = grouped(q.float().norm(dim=-1) * f * (1 + 1e-6), 0.0, True)
+    k_bound = grouped(k.float().norm(dim=-1) * (1 + 1e-6), 0.0, True).repeat_interleave(H // k.shape[1], 1)
+    c_min = grouped(c.expand(B, H, N), math.inf, False)
+    m_min = grouped(row_max, math.inf, False)
+    # The prior's largest value over the offsets of row group r against key group r - d, for each d:
+    # offsets d·G - G + 1 .. d·G + G - 1 (negative ones are masked scores: -inf).
+    padded = torch.nn.functional.pad(prior, (group - 1, R * group + group - N), value=-math.inf)
+    p_max = torch.nn.functional.max_pool1d(padded[:, None], 2 * group - 1, stride=group)[:, 0, :R]
+    r = torch.arange(R, device=q.device)
+    d = r[:, None] - r[None, :]  # (row group, key group)
+    prior_bound = p_max[:, d.clamp(min=0)][None]  # (1, H, R, R)
+    if scaled:
+        prior_bound = prior_bound * c_min[..., None]
+    qk = q_bound[..., :, None] * k_bound[..., None, :]
+    bound = qk + prior_bound + 1e-3 * (qk.abs() + prior_bound.abs()) + UNDERFLOW
+    live = ~((bound < m_min[..., None]) & (c_min[..., None] >= 0)) & (d >= 0)
+
+    def spans(axis: int) -> Tensor:
+        index = r.view([-1 if a == axis else 1 for a in range(-2, 0)])
+        first = torch.where(live, index, R).amin(axis)
+        last = torch.where(live, index, -1).amax(axis)
+        return torch.stack([first * group, (last + 1) * group], -1).to(torch.int32).contiguous()
+
+    return spans(-1), spans(-2)
+
+
+def _skip_inputs(q, k, lo, rows: tuple, scale: float, before: bool, row_max: Tensor | None = None) -> dict:
+    """The LIVE table (live_ranges' key spans, or its row spans with `rows_of_keys`) and G for a
+    launch: the forward's from each row's diagonal logit, a lower bound of its max (always allowed),
+    the backward's from `row_max`, the forward's maxima. Placeholders with SKIP off (no prior)."""
+    _, table, s = rows
+    if table is q or not SKIP_EMPTY_TILES:
+        return dict(key_spans=q, row_spans=q, G=1)
+    B, H, N, _ = q.shape
+    c = None
+    if s is not q:  # SSMax: c_i = s·ln n_i
+        c = s[None, :, None] * key_count_log(lo, torch.arange(N, device=q.device), torch.float32)[:, None, :]
+    scaled = c is not None and not before
+    if row_max is None:
+        kd = k.float().repeat_interleave(H // k.shape[1], 1)
+        qk = (q.float() * kd).sum(-1) * (scale * LOG2E) * (1.0 if c is None else c)
+        prior = table[0, :, :1][None] * (c if scaled else 1.0)  # offset 0
+        row_max = qk + prior - 1e-3 * (qk.abs() + prior.abs())
+    group = skip_group(N)
+    key_spans, row_spans = live_ranges(q, k, table[0], c, scale, row_max, scaled, group)
+    return dict(key_spans=key_spans, row_spans=row_spans, G=group)
+
+
 def _row_inputs(q: Tensor, lo: Tensor, alpha, beta, mu, s, **tables) -> tuple:
     """(LOGN, TABLE, S) launch arguments: ln n_i per row (B or 1, N) and s with SSMax, the prior's
     tables with a prior; q in place of those absent (their flags are off, they are never read)."""
@@ -537,6 +656,7 @@ def _launch_args(q, k, lo, alpha, s):
         PRECISION=precision,
         HAS_PRIOR=alpha is not None,
         HAS_SSMAX=s is not None,
+        SKIP=alpha is not None and SKIP_EMPTY_TILES,
         slob=lo.stride(0) if lo.shape[0] > 1 else 0,
     )
 
@@ -549,6 +669,8 @@ def forward(
     k, v may have H_kv | H heads (query head h reads head h // (H // H_kv))."""
     B, H, N, _ = q.shape
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
+    rows = _row_inputs(q, lo, alpha, beta, mu, s)
+    skip = _skip_inputs(q, k, lo, rows, scale, ssmax_before_prior)
     fwd_kernel[grid](
         q,
         k,
@@ -557,11 +679,13 @@ def forward(
         stats,
         top,
         lo,
-        *_row_inputs(q, lo, alpha, beta, mu, s),
+        *rows,
+        skip["key_spans"],
         *_strides(q),
         *_strides(k),
         *_strides(v),
         scale=scale,
+        G=skip["G"],
         BEFORE=ssmax_before_prior,
         **_launch_args(q, k, lo, alpha, s),
     )
@@ -601,10 +725,27 @@ def backward(
     delta = (dout.float() * out[..., :D]).sum(-1).contiguous()
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     rows = _row_inputs(q, lo, alpha, beta, mu, s, weights=True, mu_weights=has_mu)
+    skip = _skip_inputs(q, k, lo, rows, scale, ssmax_before_prior, row_max=stats[..., 0])
     # One program per (key block, batch·kv head), looping over the group's query heads; it reads the
     # prior's table only (the first of the tables).
     bwd_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), B * k.shape[1])](
-        q, k, v, dout, stats, delta, lo, last, dk, dv, *rows, *common, scale=scale, BEFORE=ssmax_before_prior, **args
+        q,
+        k,
+        v,
+        dout,
+        stats,
+        delta,
+        lo,
+        last,
+        dk,
+        dv,
+        *rows,
+        skip["row_spans"],
+        *common,
+        scale=scale,
+        G=skip["G"],
+        BEFORE=ssmax_before_prior,
+        **args,
     )
     # dL/d(θα, θβ, μ, s) of each row, summed here: every row is written once whatever the tile size
     # (autotuning tries several), and the sum is deterministic unlike atomics.
@@ -621,8 +762,10 @@ def backward(
         dq,
         partial,
         *rows,
+        skip["key_spans"],
         *common,
         scale=scale,
+        G=skip["G"],
         HAS_MU=has_mu,
         BEFORE=ssmax_before_prior,
         **args,

@@ -268,6 +268,35 @@ def test_window_skips_key_tiles(monkeypatch, window, tiles, heads):
     assert spy.calls == 3 * tiles
 
 
+def test_tiles_the_prior_empties_are_skipped_bit_for_bit(monkeypatch):
+    """Tiles whose every score the prior puts more than exp2's underflow below its row's max add
+    exactly 0: the kernels skip them (SKIP_EMPTY_TILES) and every output and gradient keeps its bits.
+    Three heads over N = 64 (4 row blocks of 16): a local one (θα 2, θβ 2: the prior at offset 17 is
+    -e²·17² ≈ -2,100), one peaked 24 keys back (μ = 2·sinh θμ ≈ -24; the backward, which knows each
+    row's final max, skips even the diagonal tile there), and a weak one (θα -3) that skips nothing."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(1, 3, 64, D, generator=g) for _ in range(4))
+    thetas = [[2.0, 2.0, -3.0], [2.0, 2.0, 1.0], [0.0, -math.asinh(12.0), 0.0], [1.0, 0.8, 1.2]]
+    runs = {}
+    for skip in (False, True):
+        monkeypatch.setattr(kt, "SKIP_EMPTY_TILES", skip)
+        spy = _TileSpy(kt.tile)
+        monkeypatch.setattr(kt, "tile", spy)
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        th = [torch.tensor(t, requires_grad=True) for t in thetas]
+        options = AttentionOptions(theta_alpha=th[0], theta_beta=th[1], theta_mu=th[2], ssmax_s=th[3])
+        out = kt.bam_attention_triton(*ins, options)
+        forward_tiles = spy.calls
+        grads = torch.autograd.grad(out, [*ins, *th], dout)
+        runs[skip] = (out, *grads), (forward_tiles, spy.calls - forward_tiles)
+        monkeypatch.setattr(kt, "tile", spy.real)
+    (full, (fwd_all, bwd_all)), (skipped, (fwd, bwd)) = runs[False], runs[True]
+    assert (fwd_all, bwd_all) == (30, 60)  # 3 heads × 10 tiles, twice in the backward
+    assert fwd < fwd_all and bwd < bwd_all - 6, (fwd, bwd)
+    for name, a, b in zip(NAMES, skipped, full):
+        assert torch.equal(a, b), name
+
+
 # --- grouped-query attention -----------------------------------------------------------------------
 
 
@@ -356,13 +385,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import megabam.kernels.bam_attention_triton as kt
 
-flags = dict(HAS_PRIOR=True, HAS_SSMAX=True, BEFORE=False, UPCAST=False, PRECISION="tf32", BLOCK_D=128,
+flags = dict(HAS_PRIOR=True, HAS_SSMAX=True, BEFORE=False, SKIP=True, UPCAST=False, PRECISION="tf32", BLOCK_D=128,
              BLOCK_M=64, BLOCK_N=64)
 fp32 = ("O", "STATS", "DELTA", "PARTIAL", "LOGN", "TABLE", "S")
 for kernel, extra in [(kt.fwd_kernel, {}), (kt.bwd_dkdv_kernel, {}), (kt.bwd_dq_kernel, {"HAS_MU": True})]:
     fn, consts = kernel.fn, {**flags, **extra}
-    sig = {a: "constexpr" if a in consts else "fp32" if a == "scale" else "*i32" if a in ("LO", "LAST", "TOP")
-           else "*fp32" if a in fp32 else "*bf16" if a[0].isupper() and a not in ("H", "GROUP", "N", "D")
+    sig = {a: "constexpr" if a in consts else "fp32" if a == "scale" else "*i32" if a in ("LO", "LAST", "TOP", "LIVE")
+           else "*fp32" if a in fp32 else "*bf16" if a[0].isupper() and a not in ("H", "GROUP", "N", "D", "G")
            else "i32"
            for a in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()})
