@@ -327,7 +327,11 @@ def main(argv=None) -> int:
     ap.add_argument("--bam-source", help="a kernels/bam_attention_triton.py to count instead (e.g. an old copy)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compiles")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument(
+        "--only", nargs="+", metavar="KERNEL:VARIANT", help="of the BAM kernels × variants asked, only these pairs"
+    )
     a = ap.parse_args(argv)
+    names = {name: key for key, name in KERNELS.items() if name}
 
     bam = load_module("megabam.kernels.bam_attention_triton", a.bam_source)
     mlstm = load_module("megabam.kernels.mlstm_triton", None) if "mlstm" in a.kernels else None
@@ -336,7 +340,11 @@ def main(argv=None) -> int:
         launches = []
         if bam_wanted:
             for variant in a.variants:
-                launches += [(bam, x) for x in bam_launches(bam, DTYPES[dtype], variant) if x.kernel in bam_wanted]
+                launches += [
+                    (bam, x)
+                    for x in bam_launches(bam, DTYPES[dtype], variant)
+                    if x.kernel in bam_wanted and (not a.only or f"{names[x.kernel]}:{variant}" in a.only)
+                ]
         if mlstm:
             launches += [(mlstm, x) for x in mlstm_launches(mlstm, DTYPES[dtype])]
         for module, launch in launches:

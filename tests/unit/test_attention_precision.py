@@ -58,19 +58,24 @@ def gradients(op, tensors, thetas, before, dtype) -> dict:
     return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad, **{key: t.grad for key, t in th.items()}}
 
 
-@pytest.fixture(params=["reference", "c_tiles", "triton"])
-def op(request):
+def op_named(name: str):
     """The PyTorch op, the C kernel's, or the Triton kernel's under the interpreter."""
-    if request.param == "reference":
+    if name == "reference":
         return bam_attention
-    if request.param == "triton":
+    if name == "triton":
         return kt.bam_attention_triton
     assert c_tiles.library() is not None, "the C tiles did not build (see the warning logged)"
     return c_tiles.bam_attention_cpu
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_fp32_gradients_within_10x_of_dense_autograd(op, case):
+# The interpreter's ordinary case is tests/unit/test_kernels_triton.py's.
+PAIRS = [(name, case) for name in ("reference", "c_tiles", "triton") for case in CASES]
+PAIRS.remove(("triton", "ordinary"))
+
+
+@pytest.mark.parametrize("name, case", PAIRS)
+def test_fp32_gradients_within_10x_of_dense_autograd(name, case):
+    op = op_named(name)
     size, thetas, before = CASES[case]
     tensors = inputs(sum(map(ord, case)), size)
     oracle = gradients(None, tensors, thetas, before, torch.float64)
