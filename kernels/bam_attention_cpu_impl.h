@@ -132,8 +132,10 @@ static void NAME(forward)(const T *q, const T *k, const T *v, T *out, T *stats, 
                     for (int64_t r = 0; r < ROWS; r++) qt[d * ROWS + r] = r < R ? q[(bh * N + qs + r) * D + d] : 0;
                 const T *pr = prior ? prior + h * prior_h : 0;
                 T m[ROWS], l[ROWS], corr[ROWS];
-                int64_t at[ROWS]; /* the key of each row's largest logit */
-                for (int64_t r = 0; r < ROWS; r++) m[r] = NEG, l[r] = 0, at[r] = qs + r;
+                /* the key of each row's largest logit, held as T: a select of T's width vectorises as
+                 * the max beside it does (keys < 2^24, the longest sequence the config allows) */
+                T at[ROWS];
+                for (int64_t r = 0; r < ROWS; r++) m[r] = NEG, l[r] = 0, at[r] = (T)(qs + r);
                 memset(ot, 0, sizeof(T) * KD * ROWS);
                 for (int64_t kb = ks; kb < ke; kb += KEYS) {
                     const int64_t n = MIN(KEYS, ke - kb);
@@ -144,7 +146,7 @@ static void NAME(forward)(const T *q, const T *k, const T *v, T *out, T *stats, 
                         for (int64_t r = 0; r < ROWS; r++) {
                             const int up = st[c * ROWS + r] > mx[r];
                             mx[r] = up ? st[c * ROWS + r] : mx[r];
-                            at[r] = up ? kb + c : at[r];
+                            at[r] = up ? (T)(kb + c) : at[r];
                         }
                     for (int64_t r = 0; r < ROWS; r++) {
                         corr[r] = EXP_OR_ZERO(EXP, m[r] - mx[r], FLOOR);
@@ -170,7 +172,7 @@ static void NAME(forward)(const T *q, const T *k, const T *v, T *out, T *stats, 
                      * where one logsumexp of a large magnitude would round them */
                     stats[2 * (bh * N + qs + r)] = m[r];
                     stats[2 * (bh * N + qs + r) + 1] = LOG(l[r]);
-                    top[bh * N + qs + r] = at[r];
+                    top[bh * N + qs + r] = (int64_t)at[r];
                 }
             }
         }
@@ -215,12 +217,12 @@ static void NAME(backward)(const T *q, const T *k, const T *v, const T *dout, co
                 for (int64_t d = 0; d < KD; d++)
                     for (int64_t r = 0; r < ROWS; r++) qt[d * ROWS + r] = r < R ? q[(bh * N + qs + r) * D + d] : 0;
                 T mr[ROWS], ls[ROWS], dl[ROWS], w[ROWS], rs[ROWS], held[ROWS];
-                int64_t tj[ROWS];
+                T tj[ROWS];    /* each row's key j*, as T (see the forward) */
                 int one[ROWS]; /* rows that see one key: p = 1, no gradient, exactly */
                 for (int64_t r = 0; r < ROWS; r++) {
                     mr[r] = r < R ? stats[2 * (bh * N + qs + r)] : 0;
                     ls[r] = r < R ? stats[2 * (bh * N + qs + r) + 1] : 0;
-                    tj[r] = r < R ? top[bh * N + qs + r] : -1;
+                    tj[r] = r < R ? (T)top[bh * N + qs + r] : -1;
                     rs[r] = held[r] = 0;
                     dl[r] = r < R ? delta[bh * N + qs + r] : 0;
                     w[r] = r < R && wscale ? wscale[b * ws_b + qs + r] : 1;
@@ -253,7 +255,7 @@ static void NAME(backward)(const T *q, const T *k, const T *v, const T *dout, co
                         if (pr) {
                             T *diag = sums + bh * sums_bh + (N - 1 - (kb + c) + qs);
                             for (int64_t r = 0; r < ROWS; r++) {
-                                const int at = kb + c == tj[r];
+                                const int at = (T)(kb + c) == tj[r];
                                 held[r] += at ? g[r] : 0;
                                 diag[r] += at ? 0 : w[r] * g[r];
                             }
@@ -267,7 +269,7 @@ static void NAME(backward)(const T *q, const T *k, const T *v, const T *dout, co
                     for (int64_t d = 0; d < KD; d++) dq[(bh * N + qs + r) * D + d] = dqt[d * ROWS + r];
                     rowsum[bh * N + qs + r] = rs[r];
                     if (pr)
-                        sums[bh * sums_bh + N - 1 - tj[r] + qs + r] += w[r] * (held[r] - rs[r]);
+                        sums[bh * sums_bh + N - 1 - (int64_t)tj[r] + qs + r] += w[r] * (held[r] - rs[r]);
                 }
             }
         }

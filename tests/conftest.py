@@ -68,6 +68,8 @@ LONGEST_FIRST = [
     "e2e/test_tools.py",  # added 2026-12-04 (a 616 s run: each ~45-60 s, alphabetically near the end)
     "e2e/test_launch_slurm.py",
     "e2e/test_repro.py",
+    "unit/test_kernels_triton.py",  # the interpreter: ~60 s on one worker (2026-12-05)
+    "unit/test_kernel_budget.py",  # 14 compiles for sm_90 on both cores
 ]
 
 
