@@ -63,6 +63,9 @@ done
 if [[ $rc != 0 ]]; then
   # The ranks' codes other than 0; torchrun's own when they disagree or none was written.
   common=$(cat "$codes"/rank* 2>/dev/null | grep -vx 0 | sort -u)
+  # A rank torchrun stopped after another's failure (its SIGTERM, during start-up) says 75: the other's
+  # code is the job's.
+  [[ $(wc -l <<<"$common") -gt 1 ]] && common=$(grep -vx 75 <<<"$common")
   [[ -n $common && $(wc -l <<<"$common") == 1 ]] && rc=$common
 fi
 exit "$rc"

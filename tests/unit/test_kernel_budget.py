@@ -7,7 +7,7 @@ registers to local memory.
 The tool runs in a subprocess: it must import the kernel module without TRITON_INTERPRET (the
 interpreter's module declares one small config), which other test files set in-process, and it
 compiles into a temporary cache of its own, so nothing is reused between runs. bf16 inputs, SSMax on,
-the PAIRS below (GROUP > 1 compiles apart from GROUP = 1): 14 compiles, ~12 s on two cores. Every
+the PAIRS below (GROUP > 1 compiles apart from GROUP = 1): 10 compiles, ~10 s on two cores. Every
 autotune config of the kernel under test is the GPU's own list; the kernels' compile for sm_90 is
 checked here too (what only the compiler rejects, e.g. a non-constexpr global).
 """
@@ -39,12 +39,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-# Each kernel at every config it declares, with the prior (the one that fills registers); the forward
-# without it too (the ratio), dk/dv with grouped-query attention too (its group loop wraps the query
-# loop). The other pairs compile to less and are in the tool's full table (docs/benchmarks.md); 14
-# compiles instead of 24 keep the suite's time.
-PAIRS = ["bam_fwd:prior", "bam_fwd:no prior", "bam_dkdv:prior", "bam_dkdv:prior gqa", "bam_dq:prior"]
-VARIANTS = {"fwd_kernel": {"prior", "no prior"}, "bwd_dkdv_kernel": {"prior", "prior gqa"}, "bwd_dq_kernel": {"prior"}}
+# Each kernel at every config it declares, with the prior (the one that fills registers); dk/dv with
+# grouped-query attention too (its group loop wraps the query loop). The other pairs compile to less
+# and are in the tool's full table (docs/benchmarks.md); 10 compiles instead of 24 keep the suite's
+# time. The forward without the prior spends at least its softmax's one exp2 per score, so <= 1.1
+# with the prior is within 10 % of it.
+PAIRS = ["bam_fwd:prior", "bam_dkdv:prior", "bam_dkdv:prior gqa", "bam_dq:prior"]
+VARIANTS = {"fwd_kernel": {"prior"}, "bwd_dkdv_kernel": {"prior", "prior gqa"}, "bwd_dq_kernel": {"prior"}}
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,5 @@ def test_special_function_ops_per_score(rows):
     for (kernel, variant, config), per_score in mufu.items():
         if kernel == "fwd_kernel":
             assert per_score <= 1.1, (kernel, variant, config, per_score)
-            assert per_score <= 1.1 * mufu[kernel, "no prior", config], (config, per_score)
         else:
             assert per_score <= 2.2, (kernel, variant, config, per_score)
