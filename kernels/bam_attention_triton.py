@@ -584,8 +584,11 @@ def live_ranges(q, k, prior, c, scale: float, row_max, scaled: bool, group: int)
     c = torch.ones(1, H, N, device=q.device) if c is None else c
     f = (c * (scale * LOG2E)).abs()
     # Norms rounded up by a part in a million: the bound must hold for the values the dots see.
-    q_bound = grouped(q.float().norm(dim=-1) * f * (1 + 1e-6), 0.0, True)
-    k_bound = grouped(k.float().norm(dim=-1) * (1 + 1e-6), 0.0, True).repeat_interleave(H // k.shape[1], 1)
+    # Norms in fp32 without an fp32 copy of q or k (this runs on every call).
+    q_norm = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32)
+    k_norm = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32)
+    q_bound = grouped(q_norm * f * (1 + 1e-6), 0.0, True)
+    k_bound = grouped(k_norm * (1 + 1e-6), 0.0, True).repeat_interleave(H // k.shape[1], 1)
     c_min = grouped(c.expand(B, H, N), math.inf, False)
     m_min = grouped(row_max, math.inf, False)
     # The prior's largest value over the offsets of row group r against key group r - d, for each d:
@@ -623,8 +626,9 @@ def _skip_inputs(q, k, lo, rows: tuple, scale: float, before: bool, row_max: Ten
         c = s[None, :, None] * key_count_log(lo, torch.arange(N, device=q.device), torch.float32)[:, None, :]
     scaled = c is not None and not before
     if row_max is None:
-        kd = k.float().repeat_interleave(H // k.shape[1], 1)
-        qk = (q.float() * kd).sum(-1) * (scale * LOG2E) * (1.0 if c is None else c)
+        # q_i·k_i per query head, its group's key/value head read in place (no copy of k per head).
+        qk = torch.einsum("bkgnd,bknd->bkgn", q.float().unflatten(1, (k.shape[1], H // k.shape[1])), k.float())
+        qk = qk.flatten(1, 2) * (scale * LOG2E) * (1.0 if c is None else c)
         prior = table[0, :, :1][None] * (c if scaled else 1.0)  # offset 0
         row_max = qk + prior - 1e-3 * (qk.abs() + prior.abs())
     group = skip_group(N)
