@@ -1,4 +1,5 @@
-"""The entry points of the ops that have Triton kernels (BAM attention, the chunkwise mLSTM cell).
+"""The entry points of the ops that have Triton kernels (BAM attention, the mLSTM and Gated DeltaNet
+cells).
 
 On CUDA tensors the mLSTM runs its kernel, and attention one of these (the first two are torch's
 kernels, called from kernels/bam_attention_torch.py):
@@ -9,6 +10,13 @@ kernels, called from kernels/bam_attention_torch.py):
 - "triton", the kernel: a learnable prior, a fixed one scaled by a learnable SSMax, and the calls
   of "flex" where dynamo is disabled (torch.compile then compiles nothing, and FlexAttention
   uncompiled materialises the N x N scores).
+
+The recurrent cells on CUDA tensors take the field's kernels where their libraries are installed
+(`pip install 'megabam[gpu]'`), each mapped onto megabam's parametrization in its own module:
+Gated DeltaNet flash-linear-attention's ("fla", kernels/gated_deltanet_fla.py; without fla, the PyTorch
+reference, with a warning), the mLSTM NX-AI's TFLA ("tfla", kernels/mlstm_tfla.py; without it, or on
+a Triton without block pointers, megabam's own kernel "triton", with a warning). Mode `triton` forces
+megabam's mLSTM kernel and fla's Gated DeltaNet kernels.
 
 On CPU, for attention, the fused C kernel (kernels/bam_attention_cpu.py,
 "c_tiles": every prior, mask and SSMax variant) where its library builds and v's head width is q's,
@@ -27,16 +35,19 @@ CUDA, the reason for it).
 """
 
 import importlib
+import importlib.util
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import replace
 
+import torch
 from torch import Tensor
 
-from megabam.kernels import bam_attention_sdpa, bam_attention_torch
+from megabam.kernels import bam_attention_sdpa, bam_attention_torch, gated_deltanet_fla, mlstm_tfla
 from megabam.kernels.bam_attention import AttentionOptions, bam_attention
-from megabam.kernels.mlstm import MLstmState
+from megabam.kernels.gated_deltanet import gated_delta_chunkwise, gated_delta_recurrent
+from megabam.kernels.mlstm import MLstmState, initial_mlstm_state, mlstm_recurrent
 from megabam.kernels.mlstm import mlstm_chunkwise as mlstm_chunkwise_reference
 from megabam.kernels.precision import compute_dtype
 
@@ -49,6 +60,7 @@ TRITON_KERNELS = {
     "attention": ("megabam.kernels.bam_attention_triton", "bam_attention_triton"),
     "mlstm": ("megabam.kernels.mlstm_triton", "mlstm_chunkwise_triton"),
 }
+GPU_EXTRA = "pip install 'megabam[gpu]'"
 C_TILES = "megabam.kernels.bam_attention_cpu"  # imported on first use too: the export does not ship it
 CPU_FUSED = "megabam.kernels.cpu_fused"  # likewise
 
@@ -105,6 +117,30 @@ def cuda_attention_choice(q: Tensor, k: Tensor, options: AttentionOptions) -> tu
     if dynamo_disabled():
         return "triton", "dynamo is disabled, and FlexAttention uncompiled would materialise N x N scores"
     return "flex", "window, documents or fixed prior"
+
+
+def cuda_mlstm_choice() -> tuple[str, str]:
+    """The mLSTM op for CUDA tensors in mode auto, and why: TFLA where it runs, else megabam's kernel."""
+    if mlstm_tfla.usable():
+        return "tfla", "mlstm_kernels' TFLA kernels"
+    return library_missing(
+        "mlstm", "triton", f"mlstm_kernels missing, or its Triton lacks block pointers ({GPU_EXTRA})"
+    )
+
+
+def cuda_gated_delta_choice() -> tuple[str, str]:
+    """The Gated DeltaNet op for CUDA tensors in mode auto, and why: fla's kernels where installed."""
+    if importlib.util.find_spec("fla") is not None:
+        return "fla", "flash-linear-attention's kernels"
+    return library_missing("gated_deltanet", "reference", f"flash-linear-attention missing ({GPU_EXTRA})")
+
+
+def library_missing(op: str, fallback: str, why: str) -> tuple[str, str]:
+    """(fallback, why), warning once per process that the field's kernel is not used."""
+    if (op, "missing") not in logged_choices:
+        logged_choices.add((op, "missing"))
+        log.warning("%s on CUDA: %s; running %s instead", op, why, fallback)
+    return fallback, why
 
 
 def dynamo_disabled() -> bool:
@@ -216,9 +252,71 @@ def mlstm_chunkwise(
     The kernels take bf16/fp16 q, k, v as they come: their products then run on tensor cores (TF32,
     state and sums in fp32), 14-18× faster on an H200 than on fp32 inputs, within the TF32 floor of
     the fp32 reference (docs/benchmarks.md). The reference computes in compute_dtype, as every op."""
-    if choose(backend, q, "mlstm") == "triton":
+    choice = choose(backend, q, "mlstm", cuda_choice=cuda_mlstm_choice)
+    if choice == "tfla":
+        op = mlstm_tfla.mlstm_chunkwise_tfla
+    elif choice == "triton":
         op = triton_kernel("mlstm")
     else:
         op = mlstm_chunkwise_reference
         q, k, v = (t.to(compute_dtype(q)) for t in (q, k, v))
     return op(q, k, v, i, f, eps, chunk_size, state)
+
+
+def mlstm_steps(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    i: Tensor,
+    f: Tensor,
+    eps: float,
+    state: MLstmState | None = None,
+    *,
+    backend: str = "auto",
+) -> tuple[Tensor, MLstmState]:
+    """The mLSTM one step at a time (generation; arguments and result of kernels/mlstm.py::mlstm_recurrent):
+    TFLA's step kernel on CUDA in mode auto where TFLA runs, else the PyTorch form (megabam has no
+    step kernel of its own), in the compute dtype."""
+    q, k, v = (t.to(compute_dtype(q)) for t in (q, k, v))
+    mode = mode_of(backend)
+    tfla = mode == "auto" and on_cuda(q) and cuda_mlstm_choice()[0] == "tfla"
+    log_choice("mlstm_step", mode, "tfla" if tfla else "reference", q)
+    if not tfla:
+        return mlstm_recurrent(q, k, v, i, f, eps, state)
+    B, H, N, dqk = q.shape
+    if state is None:
+        state = initial_mlstm_state(B, H, dqk, v.shape[-1], q.dtype, q.device)
+    out = []
+    for t in range(N):
+        h, state = mlstm_tfla.mlstm_step_tfla(
+            q[..., t, :], k[..., t, :], v[..., t, :], i[..., t], f[..., t], eps, state
+        )
+        out.append(h)
+    return torch.stack(out, dim=-2), state
+
+
+def gated_delta(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int,
+    state: Tensor | None = None,
+    *,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """The Gated DeltaNet cell (arguments and result of kernels/gated_deltanet.py, q, k L2-normalised)
+    on the op `choose` picks: fla's kernels (mode triton or, on CUDA, auto) take q, k, v in the
+    model's dtype, the reference the compute dtype; g, β arrive in the compute dtype. One step
+    (generation) runs the recurrent form, several the chunkwise one."""
+    one_step = q.shape[-2] == 1
+    if choose(backend, q, "gated_deltanet", cuda_choice=cuda_gated_delta_choice) in ("fla", "triton"):
+        # fla's recurrent kernel has no backward: a step that needs gradients takes the chunk kernel.
+        if one_step and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))):
+            return gated_deltanet_fla.gated_delta_recurrent_fla(q, k, v, g, beta, state)
+        return gated_deltanet_fla.gated_delta_chunkwise_fla(q, k, v, g, beta, state)
+    q, k, v = (t.to(compute_dtype(q)) for t in (q, k, v))
+    if one_step:
+        return gated_delta_recurrent(q, k, v, g, beta, state)
+    return gated_delta_chunkwise(q, k, v, g, beta, chunk_size, state)

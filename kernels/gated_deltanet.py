@@ -1,5 +1,6 @@
-"""The Gated DeltaNet cell (arXiv 2412.06464) in pure PyTorch, in two equivalent forms: the reference
-op its mixer (megabam/model/gated_deltanet.py) runs on every device (no Triton kernel yet).
+"""The Gated DeltaNet cell (arXiv 2412.06464) in pure PyTorch, in two equivalent forms: the op its
+mixer (megabam/model/gated_deltanet.py) runs on CPU, and the reference of the one it runs on CUDA
+(flash-linear-attention's kernels, kernels/gated_deltanet_fla.py; kernels/dispatch.py chooses).
 
 Cell, per head, state S (d_k × d_v), L2-normalised q, k:
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The standing GPU check: the Triton kernels' instruction budget as the image's Triton compiles them,
-# their benchmark (correctness first, then its tables), then short bf16 trainings of the tiny configs on
+# The standing GPU check: first the recurrent cells' library kernels (fla's Gated DeltaNet, TFLA's
+# mLSTM) against megabam's references and beside their direct calls, then the Triton kernels'
+# instruction budget as the image's Triton compiles them, their benchmark (correctness first, then
+# its tables), then short bf16 trainings of the tiny configs on
 # CUDA through the ops model.kernels=auto picks on CUDA tensors (the dispatch logs each choice and why):
 # BAM's learnable prior on the Triton kernel, SWAX's windowed RoPE layers on compiled FlexAttention, and
 # the BAM config with RoPE instead of its prior (SSMax kept) on torch's SDPA. One command, sized for a
@@ -9,11 +11,12 @@
 #   run(command="bash tools/gpu_check.sh", carry=[".gpu"], timeout_s=600)
 #
 # The GPU image has torch, triton and transformers but not DeepSpeed, streaming or their needs, and
-# no package index: prepare .gpu/ here first (cp312 wheels, pure-Python ones built here), see
-# docs/benchmarks.md "GPU kernels". Only the wheels whose module the image lacks are
+# no package index: prepare .gpu/ here first with `bash tools/gpu_wheels.sh` (cp312 wheels, DeepSpeed
+# and megabam built here; rerun it after changing megabam). Only the wheels whose module the image lacks are
 # installed. Everything printed also goes to $OUT/gpu_check.log.
 #
-# GPU_CHECK_BENCH=0 skips the benchmark, GPU_CHECK_BUDGET=0 the instruction budget
+# GPU_CHECK_RECURRENT=0 skips the recurrent cells' check and timing (tools/bench_recurrent_kernels.py),
+# GPU_CHECK_BENCH=0 the attention and mLSTM benchmark, GPU_CHECK_BUDGET=0 the instruction budget
 # (tools/kernel_budget.py); GPU_CHECK_TRAIN names the trainings (bam, swax, rope; 0: none).
 # GPU_CHECK_DRY=1 runs the same steps on CPU at tiny sizes (the benchmark under the Triton
 # interpreter, 3 training steps): it proves the script, not the GPU.
@@ -44,6 +47,8 @@ need snappy python_snappy cramjam
 need brotli brotli
 need catalogue catalogue
 need xxhash xxhash
+need "fla.ops" fla_core                  # the gpu extra: flash-linear-attention's kernels
+need mlstm_kernels mlstm_kernels          # and TFLA's
 wheels+=(.gpu/megabam-*.whl)
 echo "gpu_check: installing ${wheels[*]}"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" || exit 1
@@ -55,6 +60,15 @@ from megabam.data.streaming_import import import_streaming
 streaming = import_streaming()
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton',
       triton.__version__, 'deepspeed', deepspeed.__version__, 'streaming', streaming.__version__)" || exit 1
+
+# First: the recurrent cells' CUDA ops (fla's Gated DeltaNet, TFLA's mLSTM, through the dispatch)
+# against megabam's references, then their speed beside the libraries' direct calls (about a minute).
+if [[ ${GPU_CHECK_RECURRENT:-1} == 1 ]]; then
+  echo "== gpu_check: tools/bench_recurrent_kernels.py"
+  SECONDS=0
+  timeout 150 "$PY" tools/bench_recurrent_kernels.py ${GPU_CHECK_DRY:+--dry-run}
+  echo "gpu_check: bench_recurrent_kernels exit $? after $SECONDS s"
+fi
 
 if [[ -n ${GPU_CHECK_DRY:-} ]]; then
   bench=(--dry-run) steps=3 warmup=1 bench_limit=300 budget=(--kernels bam_fwd --variants prior)

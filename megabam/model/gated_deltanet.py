@@ -2,7 +2,8 @@
 
 Projections, short causal convolutions, the decay and rate gates per head, the cell, and a gated
 per-head norm. Training and multi-token streaming run the chunkwise form, generation of one token at
-a time the recurrent one. Like the mLSTM, the layer ignores document boundaries (the state runs
+a time the recurrent one, through the dispatch point (kernels/dispatch.py: fla's kernels on CUDA
+tensors, the PyTorch forms on CPU). Like the mLSTM, the layer ignores document boundaries (the state runs
 across packed documents).
 """
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megabam.config.schema import ModelConfig
-from megabam.kernels.gated_deltanet import gated_delta_chunkwise, gated_delta_recurrent
+from megabam.kernels import dispatch
 from megabam.kernels.precision import compute_dtype
 from megabam.model.layers import SequenceInfo, head_rms_norm
 from megabam.model.registry import register_mixer
@@ -39,6 +40,7 @@ class GatedDeltaNet(nn.Module):
         n_heads = c.n_heads or cfg.n_heads
         self.head_dim = d // n_heads
         self.chunk_size, self.conv_size, self.norm_eps = c.chunk_size, c.conv_size, cfg.norm_eps
+        self.backend = cfg.kernels
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.conv = nn.Conv1d(3 * d, 3 * d, c.conv_size, groups=3 * d, bias=False)
         self.a = nn.Linear(d, n_heads, bias=False)
@@ -100,13 +102,10 @@ class GatedDeltaNet(nn.Module):
         """Continue from `state` (None = start) over x (B, N, d); returns (output, state after the last
         step). Several steps run the chunkwise form, a single step (generation) the recurrent one."""
         x = self.enter(x)
-        inputs, conv = self.cell_inputs(x, None if state is None else state.conv)
-        inputs = [t.to(compute_dtype(x)) for t in inputs]
+        (q, k, v, g, beta), conv = self.cell_inputs(x, None if state is None else state.conv)
+        g, beta = g.to(compute_dtype(x)), beta.to(compute_dtype(x))  # the dispatch point casts q, k, v
         S = None if state is None else state.S
-        if x.shape[1] == 1:
-            o, S = gated_delta_recurrent(*inputs, S)
-        else:
-            o, S = gated_delta_chunkwise(*inputs, self.chunk_size, S)
+        o, S = dispatch.gated_delta(q, k, v, g, beta, self.chunk_size, S, backend=self.backend)
         return self._output(x, o.to(x.dtype)), GatedDeltaNetState(S, conv)
 
     def mixing_flops(self, seq_len: int, window: int | None = None) -> dict[str, float]:

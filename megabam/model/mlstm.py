@@ -2,8 +2,8 @@
 
 The cell's equations and its three equivalent forms (parallel, chunkwise, recurrent) are documented
 there. Training and multi-token streaming run the chunkwise form through the dispatch point
-(kernels/dispatch.py: the Triton kernel on CUDA tensors, the PyTorch form on CPU), generation of one
-token at a time the recurrent form.
+(kernels/dispatch.py: TFLA's or megabam's Triton kernel on CUDA tensors, the PyTorch form on CPU),
+generation of one token at a time the recurrent form (TFLA's step kernel on CUDA where it runs).
 
 Recurrent layers ignore document boundaries: the state runs across packed documents, as in the SWAX
 paper's pretraining, and the forget gate learns to clear it.
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from megabam.config.schema import ModelConfig
 from megabam.kernels import dispatch
-from megabam.kernels.mlstm import MLstmState, mlstm_recurrent
+from megabam.kernels.mlstm import MLstmState
 from megabam.kernels.precision import compute_dtype
 from megabam.model.layers import SequenceInfo, head_rms_norm
 from megabam.model.registry import register_mixer
@@ -103,9 +103,9 @@ class MLstm(nn.Module):
         x = self.enter(x)
         q, k, v, i, f = self.cell_inputs(x)
         i, f = i.to(compute_dtype(x)), f.to(compute_dtype(x))
-        if x.shape[1] == 1:
-            h, state = mlstm_recurrent(*(t.to(compute_dtype(x)) for t in (q, k, v)), i, f, self.eps, state)
-        else:  # the dispatch point casts q, k, v for the op it picks
+        if x.shape[1] == 1:  # the dispatch points cast q, k, v for the op they pick
+            h, state = dispatch.mlstm_steps(q, k, v, i, f, self.eps, state, backend=self.backend)
+        else:
             h, state = dispatch.mlstm_chunkwise(q, k, v, i, f, self.eps, self.chunk_size, state, backend=self.backend)
         return self._output(x, h.to(x.dtype)), state
 

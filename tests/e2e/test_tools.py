@@ -23,6 +23,22 @@ def test_bench_dry_run():
     assert "| 40 | fwd+bwd | triton | bfloat16 |" in done.stdout
 
 
+def test_recurrent_bench_dry_run():
+    """tools/bench_recurrent_kernels.py (for the GPU, run first by gpu_check.sh) runs its checks and
+    its table on CPU, where the dispatch picks the references and the library rows are left out."""
+    done = subprocess.run(
+        [sys.executable, "tools/bench_recurrent_kernels.py", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "check gated_deltanet bf16 dS0: max rel err" in done.stdout
+    assert "check mlstm step C fp32: max rel err" in done.stdout and "FAIL" not in done.stdout
+    assert "| gated_deltanet | ref |" in done.stdout
+
+
 def test_bench_pins_each_mlstm_config():
     """--mlstm-configs checks each mLSTM kernel with each autotune config pinned (one under the
     interpreter), both input dtypes, twice each, and leaves the autotuner's configs as they were."""

@@ -297,8 +297,9 @@ def test_auto_on_cuda_runs_sdpa_flex_or_the_kernel_and_logs_why(cuda_ops, caplog
 
 
 def test_the_cuda_rule_by_prior_ssmax_masks_and_dynamo(monkeypatch):
-    """dispatch.cuda_attention_choice case by case, and the mLSTM's kernel; dynamo counts as disabled by
-    TORCHDYNAMO_DISABLE=1 (torch.compile's check) or torch._dynamo.config.disable (compiled code's)."""
+    """dispatch.cuda_attention_choice case by case (the recurrent cells': test_library_kernels.py);
+    dynamo counts as disabled by TORCHDYNAMO_DISABLE=1 (torch.compile's check) or
+    torch._dynamo.config.disable (compiled code's)."""
     import torch._dynamo
 
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
@@ -330,5 +331,3 @@ def test_the_cuda_rule_by_prior_ssmax_masks_and_dynamo(monkeypatch):
     assert [choice(), choice(window=4)] == ["sdpa_cuda", "triton"]
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
     assert choice(window=4) == "flex"
-    monkeypatch.setattr(dispatch, "on_cuda", lambda tensor: True)
-    assert dispatch.choose("auto", q, "mlstm") == "triton"
