@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from torch import Tensor
+from torch.autograd.profiler import record_function
 
 from megabam.kernels import bam_attention_sdpa, bam_attention_torch
 from megabam.kernels.bam_attention import AttentionOptions, bam_attention
@@ -195,7 +196,10 @@ def attention(
         options = replace(options, block_size=max(options.block_size, SDPA_MIN_BLOCK))
     else:
         op = bam_attention
-    return op(q, k, v, options)
+    # A profiler range named for the op: a profile counts its kernels, and its backward's through
+    # autograd's link to the forward, as attention (tools/bench_gpu_train.py's split of a step by op).
+    with record_function("megabam.attention_op"):
+        return op(q, k, v, options)
 
 
 def mlstm_chunkwise(
@@ -221,4 +225,5 @@ def mlstm_chunkwise(
     else:
         op = mlstm_chunkwise_reference
         q, k, v = (t.to(compute_dtype(q)) for t in (q, k, v))
-    return op(q, k, v, i, f, eps, chunk_size, state)
+    with record_function("megabam.mlstm_cell"):  # a profiler range, as attention's
+        return op(q, k, v, i, f, eps, chunk_size, state)
