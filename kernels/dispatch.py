@@ -43,6 +43,7 @@ from dataclasses import replace
 
 import torch
 from torch import Tensor
+from torch.autograd.profiler import record_function
 
 from megabam.kernels import bam_attention_sdpa, bam_attention_torch, gated_deltanet_fla, mlstm_tfla
 from megabam.kernels.bam_attention import AttentionOptions, bam_attention
@@ -231,7 +232,10 @@ def attention(
         options = replace(options, block_size=max(options.block_size, SDPA_MIN_BLOCK))
     else:
         op = bam_attention
-    return op(q, k, v, options)
+    # A profiler range named for the op: a profile counts its kernels, and its backward's through
+    # autograd's link to the forward, as attention (tools/bench_gpu_train.py's split of a step by op).
+    with record_function("megabam.attention_op"):
+        return op(q, k, v, options)
 
 
 def mlstm_chunkwise(
@@ -260,7 +264,8 @@ def mlstm_chunkwise(
     else:
         op = mlstm_chunkwise_reference
         q, k, v = (t.to(compute_dtype(q)) for t in (q, k, v))
-    return op(q, k, v, i, f, eps, chunk_size, state)
+    with record_function("megabam.mlstm_cell"):  # a profiler range, as attention's
+        return op(q, k, v, i, f, eps, chunk_size, state)
 
 
 def mlstm_steps(
@@ -313,10 +318,13 @@ def gated_delta(
     one_step = q.shape[-2] == 1
     if choose(backend, q, "gated_deltanet", cuda_choice=cuda_gated_delta_choice) in ("fla", "triton"):
         # fla's recurrent kernel has no backward: a step that needs gradients takes the chunk kernel.
-        if one_step and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))):
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+        if one_step and not needs_grad:
             return gated_deltanet_fla.gated_delta_recurrent_fla(q, k, v, g, beta, state)
-        return gated_deltanet_fla.gated_delta_chunkwise_fla(q, k, v, g, beta, state)
+        with record_function("megabam.gated_deltanet_cell"):  # a profiler range, as attention's
+            return gated_deltanet_fla.gated_delta_chunkwise_fla(q, k, v, g, beta, state)
     q, k, v = (t.to(compute_dtype(q)) for t in (q, k, v))
     if one_step:
         return gated_delta_recurrent(q, k, v, g, beta, state)
-    return gated_delta_chunkwise(q, k, v, g, beta, chunk_size, state)
+    with record_function("megabam.gated_deltanet_cell"):
+        return gated_delta_chunkwise(q, k, v, g, beta, chunk_size, state)

@@ -5,8 +5,11 @@
 # its tables), then short bf16 trainings of the tiny configs on
 # CUDA through the ops model.kernels=auto picks on CUDA tensors (the dispatch logs each choice and why):
 # BAM's learnable prior on the Triton kernel, SWAX's windowed RoPE layers on compiled FlexAttention, and
-# the BAM config with RoPE instead of its prior (SSMax kept) on torch's SDPA. One command, sized for a
-# 10-minute device call:
+# the BAM config with RoPE instead of its prior (SSMax kept) on torch's SDPA; last, the end-to-end
+# benchmark of realistic widths at the configs' lengths (tools/bench_gpu_train.py: BAM 1.1B with its prior
+# and with RoPE, SWAX 1.4B at 16k with mLSTM and with Gated DeltaNet; ~3 minutes), which leaves its table in
+# $OUT/bench_gpu_train.json and the per-op efficiencies it measured in $OUT/calibration.json (merge that
+# entry into megabam/plan/calibration.json to ship it). One command, sized for a 10-minute device call:
 #
 #   run(command="bash tools/gpu_check.sh", carry=[".gpu"], timeout_s=600)
 #
@@ -17,9 +20,10 @@
 #
 # GPU_CHECK_RECURRENT=0 skips the recurrent cells' check and timing (tools/bench_recurrent_kernels.py),
 # GPU_CHECK_BENCH=0 the attention and mLSTM benchmark, GPU_CHECK_BUDGET=0 the instruction budget
-# (tools/kernel_budget.py); GPU_CHECK_TRAIN names the trainings (bam, swax, rope; 0: none).
-# GPU_CHECK_DRY=1 runs the same steps on CPU at tiny sizes (the benchmark under the Triton
-# interpreter, 3 training steps): it proves the script, not the GPU.
+# (tools/kernel_budget.py), GPU_CHECK_E2E=0 the end-to-end benchmark; GPU_CHECK_TRAIN names the
+# trainings (bam, swax, rope; 0: none). GPU_CHECK_DRY=1 runs the same steps on CPU at tiny sizes (the
+# benchmark under the Triton interpreter, 3 training steps, the benchmarks' --dry-run): it proves the
+# script, not the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
@@ -71,10 +75,10 @@ if [[ ${GPU_CHECK_RECURRENT:-1} == 1 ]]; then
 fi
 
 if [[ -n ${GPU_CHECK_DRY:-} ]]; then
-  bench=(--dry-run) steps=3 warmup=1 bench_limit=300 budget=(--kernels bam_fwd --variants prior)
+  bench=(--dry-run) steps=3 warmup=1 bench_limit=300 budget=(--kernels bam_fwd --variants prior) e2e=(--dry-run)
 else
   bench=(--variants bam sdpa flex --reps 5 ${GPU_CHECK_BENCH_ARGS:-}) steps=100 warmup=20 bench_limit=260
-  budget=()
+  budget=() e2e=()
 fi
 # The kernels' instruction budget as the image's own Triton compiles them (sm_90, bf16; no GPU used,
 # 38 compiles, well under a minute on its cores): MUFU per score and spills per autotune config.
@@ -105,4 +109,13 @@ runs=${GPU_CHECK_TRAIN:-bam swax rope}  # which trainings; GPU_CHECK_TRAIN=0: th
 # SWAX compiles FlexAttention on its first step (forward and backward) and again for evaluation.
 [[ " $runs " == *" swax "* ]] && train swax swax_tiny_cpu 120 logging.peak_tflops=989
 [[ " $runs " == *" rope "* ]] && train rope tiny_cpu 80 logging.peak_tflops=989 model.attention.positional=rope
+# Each model in a process of its own, within 170 s in all (the script's --budget-s; a model past its own
+# 75 s, or out of memory, is a row saying so and the others still run).
+if [[ ${GPU_CHECK_E2E:-1} == 1 ]]; then
+  echo "== gpu_check: tools/bench_gpu_train.py ${e2e[*]}"
+  SECONDS=0
+  timeout 200 "$PY" tools/bench_gpu_train.py "${e2e[@]}" --out "$OUT/bench_gpu_train.json" \
+    --write-calibration "$OUT/calibration.json"
+  echo "gpu_check: bench_gpu_train exit $? after $SECONDS s"
+fi
 exit 0

@@ -176,14 +176,18 @@ class Attention(nn.Module):
     def window_of(self, seq: SequenceInfo) -> int | None:
         return seq.window if (self.sliding and seq.window is not None) else self.window
 
-    def mixing_flops(self, seq_len: int, window: int | None = None) -> dict[str, float]:
+    def mixing_flops(self, seq_len: int, window: int | None = None, causal: bool = True) -> dict[str, float]:
         """Forward FLOPs per token of the sequence mixing (the projections count as parameters), SWA
         layers at `window` (None = their configured one). q·k and p·v run over the keys a query sees on
         average: a causal window w over n tokens is n·w − w²/2 dot products per head, full causal n²/2.
         A positional prior adds one add per logit, SSMax one multiply per query element (its row factor
-        scales the queries)."""
+        scales the queries). causal=False counts every query against min(w, n) keys, the masked
+        triangle whole (counts.py: the convention of published MFU)."""
         w = window if (self.sliding and window is not None) else self.window
-        keys = seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)
+        if not causal:
+            keys = seq_len if w is None else min(w, seq_len)
+        else:
+            keys = seq_len / 2 if w is None or w >= seq_len else w - w * w / (2 * seq_len)
         parts = {
             "scores": 2.0 * self.n_heads * self.head_dim * keys,
             "values": 2.0 * self.n_heads * self.head_dim * keys,

@@ -108,11 +108,13 @@ class GatedDeltaNet(nn.Module):
         o, S = dispatch.gated_delta(q, k, v, g, beta, self.chunk_size, S, backend=self.backend)
         return self._output(x, o.to(x.dtype)), GatedDeltaNetState(S, conv)
 
-    def mixing_flops(self, seq_len: int, window: int | None = None) -> dict[str, float]:
+    def mixing_flops(self, seq_len: int, window: int | None = None, causal: bool = True) -> dict[str, float]:
         """Forward FLOPs per token of the chunkwise cell: within a chunk k·k, q·k, the triangular solve
-        and scores·U over half a chunk on average; between chunks k·S, q·S and the state update."""
+        and scores·U over half a chunk on average (causal=False: the whole chunk, the masked triangle
+        counted); between chunks k·S, q·S and the state update."""
         chunk, D = min(self.chunk_size, seq_len), self.head_dim
-        return {"intra_chunk": float(4 * self.n_heads * chunk * D), "inter_chunk": float(6 * self.n_heads * D * D)}
+        keys = chunk / 2 if causal else chunk
+        return {"intra_chunk": float(8 * self.n_heads * keys * D), "inter_chunk": float(6 * self.n_heads * D * D)}
 
 
 @register_mixer("gated_deltanet")

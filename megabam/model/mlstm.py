@@ -109,13 +109,14 @@ class MLstm(nn.Module):
             h, state = dispatch.mlstm_chunkwise(q, k, v, i, f, self.eps, self.chunk_size, state, backend=self.backend)
         return self._output(x, h.to(x.dtype)), state
 
-    def mixing_flops(self, seq_len: int, window: int | None = None) -> dict[str, float]:
+    def mixing_flops(self, seq_len: int, window: int | None = None, causal: bool = True) -> dict[str, float]:
         """Forward FLOPs per token of the chunkwise cell (the projections count as parameters): within
-        a chunk q·k and scores·v over half a chunk on average; between chunks q·C and the state update
-        k·vᵀ once per token."""
+        a chunk q·k and scores·v over half a chunk on average (causal=False: the whole chunk, the
+        masked triangle counted); between chunks q·C and the state update k·vᵀ once per token."""
         chunk = min(self.chunk_size, seq_len)
+        keys = chunk / 2 if causal else chunk
         return {
-            "intra_chunk": float(self.n_heads * chunk * (self.qk_dim + self.v_dim)),
+            "intra_chunk": float(2 * self.n_heads * keys * (self.qk_dim + self.v_dim)),
             "inter_chunk": float(4 * self.n_heads * self.qk_dim * self.v_dim),
         }
 

@@ -3,8 +3,8 @@ config gives that type (megabam/config/schema.py MIXER_NAMES), so the config nev
 
 A builder takes the model config and a dict of modules shared across layers (e.g. one BAM prior for
 every layer) and returns an nn.Module called as mixer(x, SequenceInfo), with stream(x, state,
-SequenceInfo) → (y, state) for recurrent inference, mixing_flops(seq_len, window) → forward FLOPs per
-token by part (megabam/plan: the planner and the trainer's MFU), and tp_plan() → TensorParallelPlan
+SequenceInfo) → (y, state) for recurrent inference, mixing_flops(seq_len, window, causal) → forward FLOPs
+per token by part (megabam/plan: the planner and the trainer's MFU), and tp_plan() → TensorParallelPlan
 for tensor parallelism.
 """
 

@@ -7,5 +7,7 @@ best layouts for the GPUs given.
   device (the trainer's MFU uses the same FLOPs);
 - `memory.py`: memory per GPU of a layout (weights, gradients, optimizer, activations, logits, buffers);
 - `planner.py`: communication, step time, the verdict and the ranking of layouts;
+- `calibration.py`: the calibrated step time beside the roofline, from the per-op efficiencies a GPU
+  measured (the table `calibration.json`, written by tools/bench_gpu_train.py);
 - `cli.py`: the command.
 """

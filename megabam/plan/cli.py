@@ -1,4 +1,4 @@
-"""`megabam plan CONFIG [overrides] --gpu NAME --nodes N --gpus-per-node G [--json]`.
+"""`megabam plan CONFIG [overrides] --gpu NAME --nodes N --gpus-per-node G [--json] [--calibration PATH]`.
 
 The planner itself (torch, the model) is imported only when the command runs: `megabam` must start in
 a fraction of a second (its signal handlers go in before torch is imported)."""
@@ -9,6 +9,7 @@ import json
 from megabam import exit_codes
 from megabam.config import load_config
 from megabam.errors import BadArgument
+from megabam.plan.calibration import TABLE, load_table
 from megabam.plan.hardware import GPUS
 
 
@@ -26,6 +27,13 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--top", type=int, default=5, help="best layouts to list (default 5)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    p.add_argument(
+        "--calibration",
+        default=str(TABLE),
+        metavar="PATH",
+        help="the table of measured per-op efficiencies for the calibrated estimate beside the roofline "
+        "(default: the one megabam ships, megabam/plan/calibration.json)",
+    )
 
 
 MAX_NODES = 100_000  # beyond any cluster built; keeps the layout search to seconds
@@ -36,11 +44,25 @@ def run_plan(args) -> int:
         if not 1 <= value <= most:  # the search grows with the world's divisors: 10⁹ nodes ran for minutes
             raise BadArgument(None, flag, f"must lie in 1..{most:,}, got {value:,}")
     cfg = load_config(args.config, args.overrides)
+    table = load_table(args.calibration, GPUS)
     from megabam.plan.planner import plan
 
-    result = plan(cfg, GPUS[args.gpu], args.nodes, args.gpus_per_node, args.top)
-    print(json.dumps(as_json(result), indent=1) if args.json else "\n".join(report(result)))
+    result = plan(cfg, GPUS[args.gpu], args.nodes, args.gpus_per_node, args.top, table.get(args.gpu))
+    note = calibration_note(table, result, args)
+    print(json.dumps(as_json(result, note), indent=1) if args.json else "\n".join(report(result, note)))
     return exit_codes.OK
+
+
+def calibration_note(table: dict, p, args) -> str:
+    """Where the calibrated figures come from, or why there are none."""
+    calibration = table.get(args.gpu)
+    if calibration is None:
+        held = ", ".join(sorted(table)) or "none: no GPU has run tools/bench_gpu_train.py --write-calibration yet"
+        return f"no calibration for {args.gpu} in {args.calibration} (it holds {held})"
+    missing = calibration.missing(p.own.work) if p.own is not None else []
+    if missing:
+        return f"{calibration.describe()}: no efficiency measured for {', '.join(missing)}, which this config runs"
+    return calibration.describe()
 
 
 def _estimate_json(e) -> dict:
@@ -55,11 +77,15 @@ def _estimate_json(e) -> dict:
         "tokens_per_s": e.tokens_per_s,
         "mfu": e.mfu,
         "training_flops_per_token": e.flops_per_token,
+        "roofline_seconds_by_kind": e.work,
+        "calibrated_tokens_per_s": e.calibrated_tokens_per_s,
+        "calibrated_mfu": e.calibrated_mfu,
     }
 
 
-def as_json(p) -> dict:
+def as_json(p, calibration: str) -> dict:
     return {
+        "calibration": calibration,
         "gpu": dataclasses.asdict(p.gpu),
         "nodes": p.nodes,
         "gpus_per_node": p.gpus_per_node,
@@ -72,7 +98,7 @@ def as_json(p) -> dict:
     }
 
 
-def report(p) -> list[str]:
+def report(p, calibration: str) -> list[str]:
     from megabam.plan.planner import GIB
 
     total = sum(p.params.values())
@@ -114,11 +140,28 @@ def report(p) -> list[str]:
             f"predicted: {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%} (a roofline: an upper bound; tuned 7B "
             "dense runs publish 47-52 % MFU)"
         )
+        if e.calibrated_tokens_per_s is not None:
+            lines.append(
+                f"calibrated: {e.calibrated_tokens_per_s:,.0f} tokens/s, MFU {e.calibrated_mfu:.1%} "
+                f"(each kind of work at the efficiency measured on {calibration})"
+            )
+    lines += ["", f"calibration: {calibration}"]
     lines += ["", "best layouts that fit, by predicted throughput:", ""]
-    lines += ["| layout | GiB per GPU | tokens/s | MFU | step s |", "|---|---:|---:|---:|---:|"]
+    lines += [
+        "| layout | GiB per GPU | tokens/s (roofline) | MFU (roofline) | tokens/s (calibrated) | MFU (calibrated) "
+        "| step s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     lines += [
         f"| {e.layout.describe()} | {e.memory['total'] / GIB:.1f} | {e.tokens_per_s:,.0f} | {e.mfu:.1%} | "
-        f"{e.times['step']:.2f} |"
+        f"{_calibrated(e)} | {e.times['step']:.2f} |"
         for e in p.best
-    ] or ["| none fits | | | | |"]
+    ] or ["| none fits | | | | | | |"]
     return lines
+
+
+def _calibrated(e) -> str:
+    """The calibrated tokens/s and MFU cells: blank where the table has no calibration for them."""
+    if e.calibrated_tokens_per_s is None:
+        return "- | -"
+    return f"{e.calibrated_tokens_per_s:,.0f} | {e.calibrated_mfu:.1%}"

@@ -9,6 +9,11 @@ forward — the head's too when tied, the embedding's lookup none — plus each 
 Gated DeltaNet chunkwise within and between chunks). Training is 3 × forward (the backward pass does
 twice the forward's matrix work); recomputation adds the recomputed parts' forward once more. Model
 FLOPs (for MFU) count no recomputation, as Megatron's and PaLM's MFU do.
+
+Causal masks are counted as run: a query meets the keys before it (half a sequence on average under
+full attention). The MFU that Megatron-LM, PaLM and LLM Foundry publish counts every query against
+every key of its sequence, masked or not; `causal=False` counts that way (masked triangles whole:
+attention over min(window, n) keys, the recurrent cells over whole chunks), for comparing with them.
 """
 
 import torch
@@ -62,9 +67,11 @@ def window_draws(cfg: Config) -> list[tuple[int | None, float]]:
     return draws + [(anneal, w.anneal_fraction)]
 
 
-def forward_flops_by_component(model: Decoder, seq_len: int, draws=((None, 1.0),)) -> dict[str, float]:
+def forward_flops_by_component(
+    model: Decoder, seq_len: int, draws=((None, 1.0),), causal: bool = True
+) -> dict[str, float]:
     """Forward FLOPs per token per component (mixing parts as `<mixer>.<part>`), SWA layers averaged
-    over the window draws."""
+    over the window draws; `causal`: see the module docstring."""
     flops: dict[str, float] = {}
 
     def add(key: str, value: float) -> None:
@@ -77,15 +84,16 @@ def forward_flops_by_component(model: Decoder, seq_len: int, draws=((None, 1.0),
         add("head", 2.0 * model.embed.weight.numel())
     for kind, block in zip(model.layer_types, model.blocks):
         for window, share in draws:
-            for part, value in block.mixer.mixing_flops(seq_len, window).items():
+            for part, value in block.mixer.mixing_flops(seq_len, window, causal).items():
                 add(f"{kind}.{part}", share * value)
     return flops
 
 
-def training_flops_per_token(cfg: Config, model: Decoder | None = None) -> dict[str, float]:
-    """{"model": 3 × forward (what MFU divides by), "hardware": with the config's recomputation}."""
+def training_flops_per_token(cfg: Config, model: Decoder | None = None, causal: bool = True) -> dict[str, float]:
+    """{"model": 3 × forward (what MFU divides by), "hardware": with the config's recomputation};
+    `causal=False`: as published MFU counts (the module docstring)."""
     model = model or meta_model(cfg)
-    forward = forward_flops_by_component(model, cfg.data.seq_len, window_draws(cfg))
+    forward = forward_flops_by_component(model, cfg.data.seq_len, window_draws(cfg), causal)
     total = sum(forward.values())
     recomputed = recompute_share(cfg.parallel.recompute, cfg.parallel.recompute_mixers, forward)
     return {"model": 3 * total, "hardware": 3 * total + recomputed}

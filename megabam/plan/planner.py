@@ -10,6 +10,9 @@ recomputation; ring all-reduce bytes 2(t−1)/t of the message) run at NVLink sp
 the network's between nodes and are not overlapped; so is ZeRO's gradient reduce-scatter and
 parameter all-gather (DeepSpeed's default overlap_comm=false for ZeRO-1) and the pipeline's
 activation sends. It is an upper bound: kernels below peak, launch gaps and imbalance are not in it.
+Its work is kept by kind (attention, recurrent cells and the weights' matmuls at the peak; elementwise
+passes and the optimizer at HBM bandwidth) for the calibrated estimate beside it, where a GPU measured
+how far below the roofline each kind runs (calibration.py).
 """
 
 import dataclasses
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from megabam.config import Config, ConfigError
 from megabam.config.loader import config_from_dict
 from megabam.model import Decoder
+from megabam.plan.calibration import Calibration
 from megabam.plan.counts import (
     forward_flops_by_component,
     meta_model,
@@ -29,6 +33,7 @@ from megabam.plan.hardware import Gpu
 from megabam.plan.memory import Layout, _dtype_bytes, memory_bytes, rank_parameters
 
 GIB = 2**30
+ATTENTION_MIXERS = ("attention", "swa")  # their mixing FLOPs are the `attention` kind; each other mixer's its own
 
 
 @dataclass
@@ -41,6 +46,9 @@ class Estimate:
     tokens_per_s: float
     mfu: float
     flops_per_token: float  # training, with the layout's recomputation
+    work: dict[str, float]  # roofline seconds per step by kind (calibration.KINDS), before the bubble
+    calibrated_tokens_per_s: float | None = None  # with the GPU's measured efficiencies, where there are
+    calibrated_mfu: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -81,7 +89,18 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
     return config_from_dict(raw, "<plan>")
 
 
-def estimate(cfg: Config, model: Decoder, layout: Layout, gpu: Gpu, gpus_per_node: int) -> Estimate:
+def kind_of(component: str) -> str:
+    """The kind of work (calibration.KINDS) of a forward-FLOPs component: a mixer's own part
+    (`<mixer>.<part>`) is attention or that mixer's cell, every other component a weight's matmul."""
+    mixer, _, part = component.partition(".")
+    if not part:
+        return "matmul"
+    return "attention" if mixer in ATTENTION_MIXERS else mixer
+
+
+def estimate(
+    cfg: Config, model: Decoder, layout: Layout, gpu: Gpu, gpus_per_node: int, calibration: Calibration | None = None
+) -> Estimate:
     b = _dtype_bytes(cfg)
     t, pp, dp = layout.tensor, layout.pipeline, layout.data
     forward = forward_flops_by_component(model, cfg.data.seq_len, window_draws(cfg))
@@ -92,12 +111,20 @@ def estimate(cfg: Config, model: Decoder, layout: Layout, gpu: Gpu, gpus_per_nod
     memory = memory_bytes(cfg, model, layout)
     psi, stage_blocks = rank_parameters(model, layout)
 
-    compute = hardware_flops * tokens_micro * micro_batches / (t * pp) / (gpu.peak_tflops * 1e12)
-    moved = micro_batches * (3 * psi * b + 2 * memory["activations"] / max(1, min(pp, micro_batches)))
-    moved += psi * (b + 2 * 16 / dp)  # the optimizer: weights written, partition read and written
-    hbm = moved / (gpu.hbm_gbps * 1e9)
+    at_peak = tokens_micro * micro_batches / (t * pp) / (gpu.peak_tflops * 1e12)  # FLOPs per token → seconds
+    work = {}
+    for kind in sorted({kind_of(k) for k in forward}):
+        part = {k: v for k, v in forward.items() if kind_of(k) == kind}
+        recomputed = recompute_share(layout.recompute, cfg.parallel.recompute_mixers, part)
+        work[kind] = (3 * sum(part.values()) + recomputed) * at_peak
+    compute = sum(work.values())
+    bandwidth = gpu.hbm_gbps * 1e9
+    work["elementwise"] = micro_batches * (3 * psi * b + 2 * memory["activations"] / max(1, min(pp, micro_batches)))
+    work["elementwise"] /= bandwidth
+    work["optimizer"] = psi * (b + 2 * 16 / dp) / bandwidth  # weights written, partition read and written
+    hbm = work["elementwise"] + work["optimizer"]
     bubble = (micro_batches + pp - 1) / micro_batches
-    work = (compute + hbm) * bubble  # matmuls at their FLOP bound, then the elementwise passes at their byte bound
+    busy = (compute + hbm) * bubble  # matmuls at their FLOP bound, then the elementwise passes at their byte bound
 
     h = cfg.model.d_model
     message = tokens_micro * h * b
@@ -117,19 +144,28 @@ def estimate(cfg: Config, model: Decoder, layout: Layout, gpu: Gpu, gpus_per_nod
         "pipeline_sends": pp_bytes / (pp_bw * 1e9),
         "data_parallel": dp_bytes / (dp_bw * 1e9),
     }
-    step = work + times["tensor_parallel"] + times["pipeline_sends"] + times["data_parallel"]
-    times["step"] = step
-    tokens_per_s = tokens_micro * micro_batches * dp / step
-    mfu = model_flops * tokens_per_s / (layout.world * gpu.peak_tflops * 1e12)
+    communication = times["tensor_parallel"] + times["pipeline_sends"] + times["data_parallel"]
+    times["step"] = busy + communication
+    tokens_per_step = tokens_micro * micro_batches * dp
+
+    def mfu(tokens_per_s: float) -> float:
+        return model_flops * tokens_per_s / (layout.world * gpu.peak_tflops * 1e12)
+
+    calibrated = None
+    if calibration is not None and not calibration.missing(work):
+        calibrated = tokens_per_step / (calibration.step_seconds(work) * bubble + communication)
     return Estimate(
         layout=layout,
         memory=memory,
         capacity=gpu.memory_gib * GIB,
         communication={"tensor_parallel": tp_bytes, "pipeline_sends": pp_bytes, "data_parallel": dp_bytes},
         times=times,
-        tokens_per_s=tokens_per_s,
-        mfu=mfu,
+        tokens_per_s=tokens_per_step / times["step"],
+        mfu=mfu(tokens_per_step / times["step"]),
         flops_per_token=hardware_flops,
+        work=work,
+        calibrated_tokens_per_s=calibrated,
+        calibrated_mfu=None if calibrated is None else mfu(calibrated),
     )
 
 
@@ -175,7 +211,9 @@ class Plan:
     best: list[Estimate]
 
 
-def plan(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, top: int = 5) -> Plan:
+def plan(
+    cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, top: int = 5, calibration: Calibration | None = None
+) -> Plan:
     model = meta_model(cfg)
     world = nodes * gpus_per_node
     forward = forward_flops_by_component(model, cfg.data.seq_len, window_draws(cfg))
@@ -185,8 +223,11 @@ def plan(cfg: Config, gpu: Gpu, nodes: int, gpus_per_node: int, top: int = 5) ->
         layout = f"TP{par.tensor} PP{par.pipeline}, data {par.data or 'any'}"
         problem = f"the config's layout ({layout}) does not fill {world} GPUs"
     else:
-        own = estimate(cfg, model, config_layout(cfg, world), gpu, gpus_per_node)
-    estimates = [estimate(cfg, model, lay, gpu, gpus_per_node) for lay in candidate_layouts(cfg, world, gpus_per_node)]
+        own = estimate(cfg, model, config_layout(cfg, world), gpu, gpus_per_node, calibration)
+    estimates = [
+        estimate(cfg, model, lay, gpu, gpus_per_node, calibration)
+        for lay in candidate_layouts(cfg, world, gpus_per_node)
+    ]
     best = sorted((e for e in estimates if e.fits), key=lambda e: -e.tokens_per_s)[:top]
     return Plan(
         gpu, nodes, gpus_per_node, params_by_component(model), forward, 3 * sum(forward.values()), own, problem, best

@@ -1,9 +1,18 @@
 """The tools/ scripts run end to end on CPU."""
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+from megabam.config import load_config
+from megabam.plan.calibration import load_table
+from megabam.plan.counts import meta_model
+from megabam.plan.hardware import GPUS
+from megabam.plan.planner import config_layout, estimate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,6 +96,92 @@ def test_cpu_training_benchmark_runs_its_table():
         assert rope[5] == f"{float(rope[4]):.2f} ({rope[4]}–{rope[4]})"  # one round: its ratio is the medians'
         assert rope[7] == "attention:c_tiles, rms_norm:c_fused, rope:c_fused, swiglu:c_fused"
         assert rows["megabam bam+ssmax-ref", setup][7] == "attention:reference, rms_norm:reference, swiglu:reference"
+
+
+def test_gpu_training_benchmark_dry_run(tmp_path):
+    """tools/bench_gpu_train.py (for one GPU) runs its whole path on CPU at tiny sizes (the SWAX models:
+    ~5 s; each start is most of it): a row per model, the profiled step split by op (attention and the
+    mLSTM or Gated DeltaNet cell in their own), the JSON, and a calibration table the planner reads."""
+    out, table = tmp_path / "bench.json", tmp_path / "calibration.json"
+    cmd = [sys.executable, "tools/bench_gpu_train.py", "--dry-run", "--warmup", "0", "--steps", "1"]
+    cmd += ["--models", "swax_1p4b_mlstm", "swax_1p4b_gdn", "--out", str(out), "--write-calibration", str(table)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == ["swax_1p4b_gdn", "swax_1p4b_mlstm"]
+    for r in rows.values():
+        assert r["mfu_noncausal"] > r["mfu"] > 0 and 0.7 < r["predicted_memory_bytes"] / r["peak_memory_bytes"] < 1.4
+        assert [w["window"] for w in r["windows"]] == [16, 64]  # the sampler's two windows, timed each
+    swax = rows["swax_1p4b_mlstm"]["profile"]
+    assert all(swax[k] > 0 for k in ("attention", "mlstm", "matmul", "elementwise", "optimizer"))
+    gdn = rows["swax_1p4b_gdn"]["profile"]
+    assert swax["gated_deltanet"] == gdn["mlstm"] == 0 and gdn["gated_deltanet"] > 0
+    assert "| swax_1p4b_gdn | " in done.stdout
+    (calibration,) = load_table(table, GPUS).values()
+    assert calibration.device == "cpu (dry run)" and calibration.gpu == "h100-80gb"
+    assert set(calibration.efficiency) == {"attention", "mlstm", "gated_deltanet", "matmul", "elementwise", "optimizer"}
+
+
+def gpu_training_benchmark():
+    spec = importlib.util.spec_from_file_location("bench_gpu_train", ROOT / "tools" / "bench_gpu_train.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_gpu_training_benchmark_models_are_valid_configs_that_fit_one_h100():
+    """Every model of tools/bench_gpu_train.py loads at its real size (which only a GPU runs) and at the
+    dry run's, and the planner fits the real one on one H100."""
+    bench = gpu_training_benchmark()
+    for path, overrides in bench.MODELS.values():
+        load_config(ROOT / path, [*bench.ONE_GPU, *overrides, *bench.DRY])
+        cfg = load_config(ROOT / path, [*bench.ONE_GPU, *overrides])
+        assert estimate(cfg, meta_model(cfg), config_layout(cfg, 1), GPUS["h100-80gb"], 1).fits, path
+
+
+def test_gpu_training_benchmark_splits_kernels_by_where_they_ran():
+    """The GPU side of the step's split by op, which the dry run never takes, on a hand-made profile: a
+    kernel counts by its launching op's ranges (a Triton kernel of generic name in the attention op's),
+    a backward kernel by its forward op's (through the node's sequence number), a kernel no op
+    launched by its own name; none twice."""
+    from torch.autograd import DeviceType
+
+    bench = gpu_training_benchmark()
+    events = []
+
+    def op(name, parent=None, seq=-1, kernels=()):
+        e = SimpleNamespace(name=name, cpu_parent=parent, sequence_nr=seq, device_type=DeviceType.CPU, kernels=[])
+        for kernel, us in kernels:
+            e.kernels.append(SimpleNamespace(name=kernel, duration=us))
+            gpu = SimpleNamespace(
+                name=kernel, device_type=DeviceType.CUDA, time_range=SimpleNamespace(elapsed_us=lambda us=us: us)
+            )
+            events.append(gpu)
+        events.append(e)
+        return e
+
+    attention = op("megabam.attention_op")
+    op("aten::bmm", attention, seq=5, kernels=[("fwd_kernel", 10.0)])
+    op("aten::addmm", op("aten::linear", seq=6), seq=6, kernels=[("sm90_xmma_gemm_bf16", 20.0)])
+    op("aten::mul", seq=7, kernels=[("vectorized_elementwise_kernel", 5.0)])
+    op("aten::bmm", op(bench.BACKWARD + "BmmBackward0", seq=5), kernels=[("nvjet_tst_128", 30.0)])
+    op("aten::mm", op(bench.BACKWARD + "AddmmBackward0", seq=6), kernels=[("nvjet_tst_64", 40.0)])
+    op("aten::_foreach_add_", op("megabam.optimizer_step"), kernels=[("multi_tensor_apply_kernel", 50.0)])
+    events.append(
+        SimpleNamespace(
+            name="Memcpy DtoD", device_type=DeviceType.CUDA, time_range=SimpleNamespace(elapsed_us=lambda: 7.0)
+        )
+    )
+    split = {k: round(v * 1e6, 6) for k, v in bench.op_split(events, on_gpu=True).items()}
+    assert split == {
+        "attention": 40,
+        "mlstm": 0,
+        "gated_deltanet": 0,
+        "matmul": 60,
+        "elementwise": 5,
+        "optimizer": 50,
+        "other": 7,
+    }
 
 
 def test_cpu_attention_benchmark_runs_its_table():

@@ -88,6 +88,24 @@ def test_a_causal_window_costs_n_w_minus_half_w_squared():
     assert flops["swa.scores"] == pytest.approx(expected, rel=1e-12)
 
 
+def test_noncausal_flops_count_every_masked_triangle_whole():
+    """causal=False, the convention of published MFU: full attention over all N keys (the causal count's
+    N/2), a window over w keys (causal: w − w²/2N), the recurrent cells over whole chunks."""
+    cfg = load_config(ROOT / "yaml_configs" / "tiny_cpu.yaml")
+    m, N = cfg.model, cfg.data.seq_len
+    H, D = m.n_heads, m.d_model // m.n_heads
+    model = meta_model(cfg)
+    causal, full = (forward_flops_by_component(model, N, causal=c) for c in (True, False))
+    extra = m.n_layers * (2 * 2 * H * D + H) * (N - N / 2)  # q·k, p·v and the prior's add over N/2 more keys
+    assert sum(full.values()) - sum(causal.values()) == pytest.approx(extra, rel=1e-12)
+    cfg = load_config(ROOT / "yaml_configs" / "swax_tiny_cpu.yaml", ["data.seq_len=1024"])
+    model, N, w = meta_model(cfg), cfg.data.seq_len, 128
+    causal, full = (forward_flops_by_component(model, N, [(w, 1.0)], causal=c) for c in (True, False))
+    assert full["swa.scores"] / causal["swa.scores"] == pytest.approx(w / (w - w * w / (2 * N)), rel=1e-12)
+    assert full["mlstm.intra_chunk"] == 2 * causal["mlstm.intra_chunk"]
+    assert full["mlstm.inter_chunk"] == causal["mlstm.inter_chunk"]
+
+
 def test_the_7b_config_fits_its_stated_hardware_and_an_oversized_one_does_not():
     cfg = load_config(ROOT / "yaml_configs" / "swax_7b_16k.yaml")
     h100 = GPUS["h100-80gb"]
