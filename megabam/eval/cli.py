@@ -72,11 +72,13 @@ def add_repro_parser(sub) -> None:
 
     rp = sub.add_parser(
         "repro",
-        help="reproduce BAM's or SWAX's claims in miniature on CPU (arms × seeds, resumable)",
+        help="reproduce BAM's or SWAX's claims in miniature on CPU (arms × seeds, resumable); mqar: the recall grid",
         description="Train every arm for every seed (each a run directory; finished runs are not retrained, "
-        "interrupted ones resume), evaluate retrieval beyond the training length, write a table and a figure.",
+        "interrupted ones resume), evaluate retrieval beyond the training length, write a table and a figure. "
+        "`mqar` instead trains every mixer × width × number of pairs × seed on multi-query associative recall "
+        "(megabam/eval/mqar.py; finished cells are skipped).",
     )
-    rp.add_argument("study", choices=sorted(STUDIES))
+    rp.add_argument("study", choices=sorted([*STUDIES, "mqar"]))
     rp.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides for every arm")
     rp.add_argument("--out", help="directory of the runs and results (default runs/repro-STUDY)")
     arms = "; ".join(f"{name}: {', '.join(study.arms)}" for name, study in sorted(STUDIES.items()))
@@ -92,6 +94,15 @@ def add_repro_parser(sub) -> None:
     )
     rp.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.5, 1.0], help="needle depths in [0, 1]")
     rp.add_argument("--trials", type=int, default=2, help="prompts per (length, depth) cell (default 2)")
+    # Their defaults live in megabam/eval/mqar.py (MIXERS, Setting), imported only when mqar runs:
+    # it imports torch, which the parser of every command would otherwise pay for (~1 s).
+    mq = rp.add_argument_group("mqar only (defaults: megabam/eval/mqar.py)")
+    mq.add_argument("--mixers", nargs="+", help="mixers or hybrids (default: all six)")
+    mq.add_argument("--widths", type=int, nargs="+", default=[64, 128], help="d_model of the cells (default 64 128)")
+    mq.add_argument("--pairs", type=int, nargs="+", default=[4, 8, 16, 32], help="key-value pairs (default 4 8 16 32)")
+    mq.add_argument("--seq-len", type=int, help="tokens per sample (default 256)")
+    mq.add_argument("--vocab", type=int, help="vocabulary size (default 512)")
+    mq.add_argument("--window", type=int, help="the SWA layers' window (default 16)")
 
 
 def run_repro(args) -> int:
@@ -108,6 +119,8 @@ def _repro(args) -> list[str]:
     from megabam.config import ConfigError, load_config
     from megabam.eval.repro import REPO, STUDIES, reproduce
 
+    if args.study == "mqar":
+        return _mqar(args)
     study = STUDIES[args.study]
     arms = args.arms or list(study.arms)
     unknown = [a for a in arms if a not in study.arms]
@@ -130,6 +143,36 @@ def _repro(args) -> list[str]:
     return reproduce(
         args.study, out, arms, args.seeds, lengths, args.depths, args.trials, args.overrides, steps, say=_say
     )
+
+
+def _mqar(args) -> list[str]:
+    from dataclasses import replace
+
+    from megabam.config import ConfigError, load_config
+    from megabam.eval.mqar import MIXERS, Cell, Setting, model_overrides, mqar_batch, run_grid
+
+    _require(not args.overrides, f"mqar takes no config overrides (its cells' configs are fixed), got {args.overrides}")
+    mixers = args.mixers or list(MIXERS)
+    unknown = [m for m in mixers if m not in MIXERS]
+    _require(not unknown, f"--mixers: unknown mixer(s) {', '.join(unknown)} (known: {', '.join(MIXERS)})")
+    _require(len(set(args.seeds)) == len(args.seeds), f"--seeds must be distinct, got {args.seeds}")
+    _require(args.steps is None or args.steps >= 1, f"--steps must be at least 1, got {args.steps}")
+    _require(all(w >= 32 and w % 32 == 0 for w in args.widths), f"--widths must be multiples of 32, got {args.widths}")
+    given = dict(seq_len=args.seq_len, vocab=args.vocab, window=args.window, steps=args.steps)
+    setting = replace(Setting(), **{k: v for k, v in given.items() if v is not None})
+    try:  # every cell's data and config checked before the first one trains
+        import torch
+
+        for p in args.pairs:
+            mqar_batch(1, setting.seq_len, p, setting.vocab, torch.Generator())
+        for m in mixers:
+            load_config(None, model_overrides(Cell(m, min(args.widths), min(args.pairs), 0), setting))
+    except ConfigError as e:
+        raise BadArgument(e.source, e.key, e.message) from None
+    except ValueError as e:  # the sample's layout (mqar_batch): pairs, seq_len and vocab together
+        raise BadArgument(None, "--pairs", str(e)) from None
+    out = Path(args.out) if args.out else Path("runs") / "repro-mqar"
+    return run_grid(out, mixers, sorted(set(args.widths)), sorted(set(args.pairs)), args.seeds, setting, say=_say)
 
 
 def _say(line: str) -> None:
