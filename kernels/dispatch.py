@@ -109,9 +109,9 @@ def cuda_attention_choice(q: Tensor, k: Tensor, options: AttentionOptions) -> tu
 
 def dynamo_disabled() -> bool:
     """Whether torch.compile would leave FlexAttention uncompiled: it returns the function as it is
-    under TORCHDYNAMO_DISABLE=1 (read when torch.compile is called; megabam/process.py sets it where no
-    NVIDIA GPU is present), and compiled code runs uncompiled under torch._dynamo.config.disable
-    (TORCH_COMPILE_DISABLE=1, or set in code)."""
+    under TORCHDYNAMO_DISABLE=1 (read when torch.compile is called; the user's to set: megabam sets it
+    only around one import, megabam/train/engine.py), and compiled code runs uncompiled under
+    torch._dynamo.config.disable (TORCH_COMPILE_DISABLE=1, or set in code)."""
     import torch._dynamo  # here, not above: ~1 s of import that CPU processes never need
 
     return os.environ.get("TORCHDYNAMO_DISABLE") == "1" or torch._dynamo.config.disable
