@@ -30,6 +30,8 @@ class MLstm(nn.Module):
     the head dimension first so tensor parallelism can shard them by heads.
     """
 
+    kernel_calls = ("cell",)  # the methods that call a kernel (megabam/parallel/compile.py)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         c, d = cfg.mlstm, cfg.d_model
@@ -105,9 +107,14 @@ class MLstm(nn.Module):
         i, f = i.to(compute_dtype(x)), f.to(compute_dtype(x))
         if x.shape[1] == 1:
             h, state = mlstm_recurrent(*(t.to(compute_dtype(x)) for t in (q, k, v)), i, f, self.eps, state)
-        else:  # the dispatch point casts q, k, v for the op it picks
-            h, state = dispatch.mlstm_chunkwise(q, k, v, i, f, self.eps, self.chunk_size, state, backend=self.backend)
+        else:
+            h, state = self.cell(q, k, v, i, f, state)
         return self._output(x, h.to(x.dtype)), state
+
+    def cell(self, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, state: MLstmState | None):
+        """The chunkwise cell on the op the dispatch point picks (it casts q, k, v for that op); a
+        compiled block runs it outside its graphs (megabam/parallel/compile.py)."""
+        return dispatch.mlstm_chunkwise(q, k, v, i, f, self.eps, self.chunk_size, state, backend=self.backend)
 
     def mixing_flops(self, seq_len: int, window: int | None = None) -> dict[str, float]:
         """Forward FLOPs per token of the chunkwise cell (the projections count as parameters): within
