@@ -87,7 +87,11 @@ def test_compiled_blocks_train_as_eager_and_new_windows_recompile_nothing(monkey
     torch._dynamo.reset()
 
 
-def test_an_unknown_compile_mode_is_a_one_line_error_naming_the_key():
+def test_compile_modes_load_and_an_unknown_one_is_a_one_line_error_naming_the_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  compile: off\n")  # YAML reads a bare off as false
+    assert load_config(path).train.compile == "off"
+    assert load_config(None, ["train.compile=blocks"]).train.compile == "blocks"
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train.compile=model"])
     assert err.value.key == "train.compile" and "\n" not in str(err.value)
