@@ -25,7 +25,8 @@ fixed one) go to torch where the kernel was built for vectors narrower than 512 
 than torch with AVX-512, not measured against it without); else torch's fused attention where it
 applies; else the PyTorch reference (the tiled op). RMS norms, the SwiGLU product and the rotary embedding take
 their one-pass C forms on CPU (kernels/cpu_fused.py, "c_fused") where its library builds, else their
-PyTorch forms.
+PyTorch forms, which inductor fuses where torch.compile traces them (train.compile; the attention and
+mLSTM ops themselves run outside the compiled graphs, megabam/parallel/compile.py).
 
 Mode `auto` makes that choice; `triton` or `reference` (the PyTorch reference everywhere, the oracle
 of the kernels' tests) forces one. The mode comes from the config key `model.kernels` (passed here as
@@ -146,9 +147,9 @@ def library_missing(op: str, fallback: str, why: str) -> tuple[str, str]:
 
 def dynamo_disabled() -> bool:
     """Whether torch.compile would leave FlexAttention uncompiled: it returns the function as it is
-    under TORCHDYNAMO_DISABLE=1 (read when torch.compile is called; megabam/process.py sets it where no
-    NVIDIA GPU is present), and compiled code runs uncompiled under torch._dynamo.config.disable
-    (TORCH_COMPILE_DISABLE=1, or set in code)."""
+    under TORCHDYNAMO_DISABLE=1 (read when torch.compile is called; the user's to set: megabam sets it
+    only around one import, megabam/train/engine.py), and compiled code runs uncompiled under
+    torch._dynamo.config.disable (TORCH_COMPILE_DISABLE=1, or set in code)."""
     import torch._dynamo  # here, not above: ~1 s of import that CPU processes never need
 
     return os.environ.get("TORCHDYNAMO_DISABLE") == "1" or torch._dynamo.config.disable
@@ -174,8 +175,11 @@ def fused_cpu_op(op: str, backend: str, *tensors: Tensor):
     """The C form of `op` ("rms_norm", "swiglu", "rope"; kernels/cpu_fused.py) where it takes these tensors: in
     mode auto, CPU tensors of one dtype, fp32 or fp64, its library built (now, on first use); else None,
     and the caller computes the PyTorch form (megabam/model/layers.py, positional.py), as on CUDA, where torch's own
-    kernels are fast, and in mode reference or triton (there is no Triton kernel for these). Logged
-    once per op, mode and choice like the others."""
+    kernels are fast, in mode reference or triton (there is no Triton kernel for these), and inside a
+    graph that torch.compile traces (train.compile: inductor fuses the PyTorch form). Logged once per
+    op, mode and choice like the others (not from inside a graph)."""
+    if torch.compiler.is_compiling():
+        return None
     mode = mode_of(backend)
     module = importlib.import_module(CPU_FUSED) if mode == "auto" and tensors[0].device.type == "cpu" else None
     fused = module is not None and module.applies(*tensors) and module.library() is not None

@@ -1,8 +1,7 @@
 """Process-wide set-up that megabam's entry points share: the start-up's garbage collection,
-torch.compile (off where no NVIDIA GPU is present), DeepSpeed's accelerator on a machine without
-CUDA, and a signal when the parent dies. torch's threads and the denormal flush are set when a rank
-joins its process group (megabam/parallel/threads.py `configure_cpu`, which sizes them by the ranks
-sharing the node)."""
+DeepSpeed's accelerator on a machine without CUDA, and a signal when the parent dies. torch's threads
+and the denormal flush are set when a rank joins its process group (megabam/parallel/threads.py
+`configure_cpu`, which sizes them by the ranks sharing the node)."""
 
 import gc
 import os
@@ -17,20 +16,6 @@ def begin() -> None:
     # took a tiny training run from 5.0 to 4.1 s (docs/benchmarks.md, "Test suite"). Not frozen at exit
     # too (0.3 s more): objects of extensions (Triton's) left uncollected make them print leak warnings.
     gc.disable()
-    # Without a GPU megabam compiles nothing, yet DeepSpeed's ZeRO optimizer check imports its Muon
-    # module, whose module-level torch.compile loads the inductor backend: ~1 s of every process's
-    # start (docs/benchmarks.md). With dynamo disabled torch.compile returns the function as it is.
-    # On a GPU the attention of windows, documents and fixed priors is FlexAttention, which needs
-    # torch.compile (kernels/dispatch.py), so dynamo stays on there. Set for this process and those it
-    # starts; a value the user set wins.
-    if not nvidia_gpu_present():
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-
-
-def nvidia_gpu_present() -> bool:
-    """Whether the NVIDIA driver is loaded here, asked without importing torch (as begin runs first):
-    its control device or its /proc entry exists (both do in a container given GPUs)."""
-    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
 
 
 def cpu_accelerator_without_cuda() -> None:

@@ -18,6 +18,11 @@ machine's speed hit every model alike; the table gives the median over rounds, t
 the ratio of medians to the Llama's, and the ratio to the Llama within each round (median and
 min–max over rounds: a round's ratio is free of drifts between rounds).
 
+`--compile` adds, beside each megabam model, the same model with `train.compile=blocks` (each block
+compiled by megabam/parallel/compile.py, inductor on CPU; the compile happens in the warm-up steps,
+so its memory counts in "step MiB"), and a column with its tokens/s over the eager model's, median
+and min–max of the rounds' ratios.
+
 `--ranks` measures what the thread sizing of megabam/parallel/threads.py is for: one process, then two
 processes at once (two local ranks on this machine, each training its own copy), with threads sized
 by megabam (cores ÷ local ranks) and with torch's default (every process takes every core).
@@ -25,6 +30,7 @@ by megabam (cores ÷ local ranks) and with torch's default (every process takes 
     .venv/bin/python tools/bench_cpu_train.py --lengths 256 2048 --rounds 5
     .venv/bin/python tools/bench_cpu_train.py --lengths 256 2048 --rounds 3 --setups megabam torch
     .venv/bin/python tools/bench_cpu_train.py --ranks --lengths 256 --rounds 3
+    .venv/bin/python tools/bench_cpu_train.py --models bam+ssmax rope swax --lengths 256 2048 --rounds 3 --compile
 """
 
 import argparse
@@ -56,16 +62,19 @@ MODELS = {
     "swax": ("yaml_configs/swax_tiny_cpu.yaml", []),
 }
 PEER = "llama"
+COMPILED = "+compile"  # a megabam model's name with this suffix: the model with train.compile=blocks
 SETUPS = {"megabam": "configure_cpu", "torch": "threads only"}  # --setups: each process's CPU set-up
 
 
 def megabam_model(name: str, seq_len: int):
     from megabam.config import load_config
     from megabam.model import Decoder
+    from megabam.parallel.compile import apply_compile
 
-    path, overrides = MODELS[name]
+    path, overrides = MODELS[name.removesuffix(COMPILED)]
     config = load_config(os.path.join(REPO, path), [*overrides, "model.attention.document_aware=false"])
     model = Decoder(config.model)
+    apply_compile(model, "blocks" if name.endswith(COMPILED) else "off")
 
     def loss(ids):
         return model(ids[:, :-1], ids[:, 1:])
@@ -130,8 +139,10 @@ def run_case(args) -> None:
         return loss
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
     for i in range(args.warmup):
         step(i)
+    warmup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in range(args.steps):
         loss = step(i)
@@ -144,6 +155,7 @@ def run_case(args) -> None:
         json.dumps(
             {
                 "tok_s": args.steps * batch * args.seq / dt,
+                "warmup_s": warmup_s,
                 "step_mib": (peak - before) / 1024,
                 "loss": loss.item(),
                 "threads": torch.get_num_threads(),
@@ -170,8 +182,16 @@ def spread(values: list[float]) -> str:
     return f"{min(values):,.0f}–{max(values):,.0f}"
 
 
+def by_round(ratios: list[float]) -> str:
+    """The median and min–max of the rounds' ratios."""
+    ratios = sorted(ratios)
+    return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}–{ratios[-1]:.2f})"
+
+
 def speed_table(args) -> None:
-    names = [PEER, *MODELS] if not args.models else [PEER, *args.models]
+    names = [PEER, *(args.models or MODELS)]
+    if args.compile:
+        names = [case for name in names for case in ([name] if name == PEER else [name, name + COMPILED])]
     cases = [(setup, name) for setup in args.setups for name in names]
     for seq in args.lengths:
         runs: dict[tuple, list[dict]] = {c: [] for c in cases}
@@ -182,20 +202,27 @@ def speed_table(args) -> None:
             print(f"  N={seq}: round {r + 1}/{args.rounds} done", file=sys.stderr)
         batch = max(1, TOKENS_PER_STEP // seq)
         print(f"\nN = {seq} ({batch} × {seq} tokens per step, {args.threads} threads)")
-        print("| model | CPU set-up | tokens/s (median) | spread | × Llama | × Llama by round | step MiB | op |")
-        print("|---|---|---:|---:|---:|---:|---:|---|")
+        header = ["model", "CPU set-up", "tokens/s (median)", "spread", "× Llama", "× Llama by round"]
+        header += ["× eager by round", "warm-up s"] if args.compile else []
+        print("| " + " | ".join([*header, "step MiB", "op"]) + " |")
+        print("|---|---|" + "---:|" * (len(header) - 1) + "---|")
         for setup, name in cases:
             peers = [x["tok_s"] for x in runs[setup, PEER]]
             tok = [x["tok_s"] for x in runs[setup, name]]
-            paired = sorted(t / p for t, p in zip(tok, peers))  # each round's ratio: drifts between rounds cancel
-            mib = statistics.median(x["step_mib"] for x in runs[setup, name])
-            ops = ", ".join(runs[setup, name][0]["ops"]) or "-"
             label = "transformers Llama (sdpa)" if name == PEER else f"megabam {name}"
-            by_round = f"{statistics.median(paired):.2f} ({paired[0]:.2f}–{paired[-1]:.2f})"
-            print(
-                f"| {label} | {SETUPS[setup]} | {statistics.median(tok):,.0f} | {spread(tok)} | "
-                f"{statistics.median(tok) / statistics.median(peers):.2f} | {by_round} | {mib:,.0f} | {ops} |"
-            )
+            # each round's ratio: drifts between rounds cancel
+            row = [label, SETUPS[setup], f"{statistics.median(tok):,.0f}", spread(tok)]
+            row += [
+                f"{statistics.median(tok) / statistics.median(peers):.2f}",
+                by_round([t / p for t, p in zip(tok, peers)]),
+            ]
+            if args.compile:
+                eager = [x["tok_s"] for x in runs[setup, name.removesuffix(COMPILED)]]
+                row += [by_round([t / e for t, e in zip(tok, eager)]) if name.endswith(COMPILED) else "-"]
+                row += [f"{statistics.median(x['warmup_s'] for x in runs[setup, name]):.1f}"]
+            row += [f"{statistics.median(x['step_mib'] for x in runs[setup, name]):,.0f}"]
+            row += [", ".join(runs[setup, name][0]["ops"]) or "-"]
+            print("| " + " | ".join(row) + " |")
 
 
 def ranks_table(args) -> None:
@@ -232,6 +259,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--models", nargs="+", choices=list(MODELS), help="megabam models (default: all)")
     ap.add_argument("--ranks", action="store_true", help="the 1 vs 2 local ranks table instead")
+    ap.add_argument(
+        "--compile", action="store_true", help="each megabam model also with train.compile=blocks, beside it"
+    )
     ap.add_argument(
         "--setups",
         nargs="+",

@@ -227,6 +227,10 @@ def _coerce(tp, value: Any, key: str, source: str):
         return _coerce(inner, value, key, source)
     if origin is Literal:
         choices = typing.get_args(tp)
+        # YAML 1.1 reads a bare off / on (and no / yes, false / true) as a boolean: `train.compile: off`
+        # means the choice "off".
+        if isinstance(value, bool) and ("on" if value else "off") in choices:
+            value = "on" if value else "off"
         if value not in choices:
             raise ConfigError(source, key, f"{value!r} is not one of {', '.join(map(str, choices))}")
         return value

@@ -532,6 +532,11 @@ class TrainConfig:
     micro_batch_size: int = doc(8, "Sequences per micro-batch per data-parallel rank.")
     grad_accum: int = doc(1, "Micro-batches accumulated per optimizer step.")
     precision: Literal["fp32", "bf16"] = doc("fp32", "Training precision (bf16 keeps fp32 master weights).")
+    compile: Literal["off", "blocks"] = doc(
+        "off",
+        "torch.compile: off; blocks = each decoder block compiled on its own (torchtitan's regional compile), "
+        "the attention and mLSTM kernels left outside the graphs.",
+    )
     eval_every: int = doc(0, "Validation every this many steps (0 = only at the end).")
     eval_batches: int = doc(
         8,

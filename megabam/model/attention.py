@@ -53,6 +53,8 @@ class Attention(nn.Module):
     """Causal attention configured by one attention section. `sliding` layers (SWA) take the window of
     each call (SequenceInfo.window) and fall back to their configured one; the others use theirs."""
 
+    kernel_calls = ("attend",)  # the methods that call a kernel (megabam/parallel/compile.py)
+
     def __init__(self, cfg: ModelConfig, a: AttentionConfig, prior: nn.Module | None, sliding: bool = False):
         super().__init__()
         kv_heads = a.kv_heads or cfg.n_heads  # grouped-query attention when fewer than n_heads
@@ -127,8 +129,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         B, N, _ = x.shape
         q, k, v = self._project(x)
-        y = attention(q, k, v, self._options(seq), backend=self.backend)
+        y = self.attend(q, k, v, seq)
         return self.out(y.transpose(1, 2).reshape(B, N, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
+        """The call of the op (kernels/dispatch.py), this call's options included: a compiled block runs
+        it outside its graphs (megabam/parallel/compile.py), so the per-step window never reaches them."""
+        return attention(q, k, v, self._options(seq), backend=self.backend)
 
     def stream(self, x: torch.Tensor, cache: KVCache | None, seq: SequenceInfo) -> tuple[torch.Tensor, KVCache]:
         """Continue a stream (inference): x (B, C, d) are the next C tokens after those in `cache`

@@ -34,6 +34,8 @@ class GatedDeltaNet(nn.Module):
     decay g = −exp(A)·softplus(a(x) + dt_bias) ≤ 0 and β = σ(b(x)) per head; the cell; per-head RMS
     norm gated by SiLU(gate(x)); output projection. Per-head tensors keep the head dimension first."""
 
+    kernel_calls = ("cell",)  # the methods that call a kernel (megabam/parallel/compile.py)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         c, d = cfg.gated_deltanet, cfg.d_model
@@ -105,8 +107,13 @@ class GatedDeltaNet(nn.Module):
         (q, k, v, g, beta), conv = self.cell_inputs(x, None if state is None else state.conv)
         g, beta = g.to(compute_dtype(x)), beta.to(compute_dtype(x))  # the dispatch point casts q, k, v
         S = None if state is None else state.S
-        o, S = dispatch.gated_delta(q, k, v, g, beta, self.chunk_size, S, backend=self.backend)
+        o, S = self.cell(q, k, v, g, beta, S)
         return self._output(x, o.to(x.dtype)), GatedDeltaNetState(S, conv)
+
+    def cell(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor | None):
+        """The cell on the op the dispatch point picks (it casts q, k, v for that op); a compiled block
+        runs it outside its graphs (megabam/parallel/compile.py)."""
+        return dispatch.gated_delta(q, k, v, g, beta, self.chunk_size, S, backend=self.backend)
 
     def mixing_flops(self, seq_len: int, window: int | None = None, causal: bool = True) -> dict[str, float]:
         """Forward FLOPs per token of the chunkwise cell: within a chunk k·k, q·k, the triangular solve

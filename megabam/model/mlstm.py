@@ -30,6 +30,8 @@ class MLstm(nn.Module):
     the head dimension first so tensor parallelism can shard them by heads.
     """
 
+    kernel_calls = ("cell",)  # the methods that call a kernel (megabam/parallel/compile.py)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         c, d = cfg.mlstm, cfg.d_model
@@ -106,8 +108,13 @@ class MLstm(nn.Module):
         if x.shape[1] == 1:  # the dispatch points cast q, k, v for the op they pick
             h, state = dispatch.mlstm_steps(q, k, v, i, f, self.eps, state, backend=self.backend)
         else:
-            h, state = dispatch.mlstm_chunkwise(q, k, v, i, f, self.eps, self.chunk_size, state, backend=self.backend)
+            h, state = self.cell(q, k, v, i, f, state)
         return self._output(x, h.to(x.dtype)), state
+
+    def cell(self, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, state: MLstmState | None):
+        """The chunkwise cell on the op the dispatch point picks (it casts q, k, v for that op); a
+        compiled block runs it outside its graphs (megabam/parallel/compile.py)."""
+        return dispatch.mlstm_chunkwise(q, k, v, i, f, self.eps, self.chunk_size, state, backend=self.backend)
 
     def mixing_flops(self, seq_len: int, window: int | None = None, causal: bool = True) -> dict[str, float]:
         """Forward FLOPs per token of the chunkwise cell (the projections count as parameters): within

@@ -9,6 +9,7 @@
 - `tensor_parallel.py`: column/row-parallel linears, the vocab-parallel embedding and loss, and
   `apply_tp`, which interprets the modules' tensor-parallel plans (megabam/model/sharding.py);
 - `sequence_parallel.py`: `apply_sp`, sequence shards between the tensor-parallel regions;
+- `compile.py`: `apply_compile`, torch.compile of each block (train.compile), the kernels' calls outside the graphs;
 - `activation_checkpoint.py`: `apply_ac`, activation recomputation;
 - `pipeline.py`: the model cut into DeepSpeed pipeline stages, and prediction through them;
 - `pipeline_layers.py`: the pipeline's layer order by Decoder name (shared with the checkpoint reader);

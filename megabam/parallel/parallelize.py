@@ -1,8 +1,9 @@
 """The one place where a built model becomes this rank's parallel model, in the only order that works:
 tensor parallelism (shards of every split parameter), then sequence parallelism (swaps the TP
-regions' entries and exits, so it needs them), then activation recomputation (wraps the forwards of
-the modules TP and SP left in place), then the pipeline cut (hands the finished blocks to DeepSpeed's
-pipeline module and frees the other stages' layers)."""
+regions' entries and exits, so it needs them), then torch.compile of each block (compiles the modules
+TP and SP left in place), then activation recomputation (wraps those forwards, compiled or not: a
+recomputed region cannot be traced across the kernels' calls, compile.py), then the pipeline cut
+(hands the finished blocks to DeepSpeed's pipeline module and frees the other stages' layers)."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from torch import nn
 from megabam.config.schema import Config
 from megabam.model import Decoder
 from megabam.parallel.activation_checkpoint import apply_ac
+from megabam.parallel.compile import apply_compile
 from megabam.parallel.deepspeed_mpu import DeepSpeedMpu
 from megabam.parallel.pipeline import StepContext, build_pipeline, pipeline_greedy
 from megabam.parallel.sequence_parallel import apply_sp
@@ -45,6 +47,7 @@ def parallelize(model: Decoder, cfg: Config, topology: Topology) -> ParallelMode
         apply_tp(model, topology)
         if cfg.parallel.sequence_parallel:
             apply_sp(model, topology)
+    apply_compile(model, cfg.train.compile)
     apply_ac(model, cfg.parallel.recompute, cfg.parallel.recompute_mixers)
     if topology.pp_size == 1:
         return ParallelModel(model, None, DeepSpeedMpu(topology), model.greedy)

@@ -1,6 +1,8 @@
 """The DeepSpeed engine around this rank's parallel model, and how one step runs on it."""
 
+import importlib
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +129,22 @@ class TrainingEngine:
         return {key: value for stage in stages for key, value in stage.items()}
 
 
+def import_muon_uncompiled() -> None:
+    """DeepSpeed's ZeRO optimizer check (deepspeed.initialize) imports its Muon module, whose
+    module-level torch.compile loads inductor: ~0.8 s of every start (docs/benchmarks.md, "Test
+    suite"), for an optimizer megabam does not use. Imported first here with dynamo disabled for that
+    import alone, torch.compile hands Muon's functions back as they are; the environment is restored
+    at once, so train.compile, FlexAttention's compile (kernels/dispatch.py) and a user's are
+    untouched, in this process and those it starts. A TORCHDYNAMO_DISABLE the user set is theirs."""
+    if "TORCHDYNAMO_DISABLE" in os.environ:
+        return
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
+    finally:
+        del os.environ["TORCHDYNAMO_DISABLE"]
+
+
 def build_engine(cfg: Config, topology: Topology) -> TrainingEngine:
     """Model (seeded; then made this rank's part of the layout by `parallelize`), AdamW groups and
     schedule, wrapped by `deepspeed.initialize` with ZeRO over the data-parallel group."""
@@ -143,6 +161,7 @@ def build_engine(cfg: Config, topology: Topology) -> TrainingEngine:
     if topology.pp_size > 1:
         add_group_placeholders(parallel.module, groups)  # every stage must step the same parameter groups
         record_layer_identity(parallel.module, topology.tp_rank, topology.tp_size, topology.pp_size)
+    import_muon_uncompiled()
     engine, _, _, _ = deepspeed.initialize(
         model=parallel.module,
         optimizer=build_optimizer(parallel.module, cfg.optim),

@@ -267,7 +267,7 @@ def test_auto_on_cuda_runs_sdpa_flex_or_the_kernel_and_logs_why(cuda_ops, caplog
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
     with caplog.at_level(logging.INFO, logger=dispatch.__name__):
         auto = [_call(**kw) for kw in calls]
-        monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # as megabam/process.py sets it without a GPU
+        monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # as a user may set it
         off = [_call(**kw) for kw in calls[:4]]
         forced = [_call("triton", window=8), _call("reference", window=8)]
         references = [_call("reference", **kw) for kw in calls]
