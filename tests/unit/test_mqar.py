@@ -35,7 +35,7 @@ def test_the_first_sample_by_hand():
     """One small sample written out: 2 pairs, both queried, in 12 tokens of a 16-token vocabulary."""
     batch = mqar.mqar_batch(1, 12, 2, 16, torch.Generator().manual_seed(3))
     tokens, targets = batch.inputs[0].tolist(), batch.targets[0].tolist()
-    (k1, v1, k2, v2), region = tokens[:4], tokens[4:]
+    k1, v1, k2, v2 = tokens[:4]
     scored = [4 + i for i in range(0, 8, 2) if targets[4 + i] != IGNORE]
     assert {tokens[t]: tokens[t + 1] for t in scored} == {k1: v1, k2: v2}
     assert [targets[t] for t in scored] == [tokens[t + 1] for t in scored]
