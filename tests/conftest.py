@@ -70,6 +70,8 @@ LONGEST_FIRST = [
     "e2e/test_repro.py",
     "unit/test_kernels_triton.py",  # the interpreter: ~60 s on one worker (2026-12-05)
     "unit/test_kernel_budget.py",  # 14 compiles for sm_90 on both cores
+    "unit/test_compile.py",  # ~20 s where inductor has never run (a fresh CI machine), ~5 s after
+    "unit/test_mqar.py",  # a tiny model trained to recall: ~3-8 s
 ]
 
 

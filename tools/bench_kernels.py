@@ -19,7 +19,8 @@ mLSTM rows if time is short):
              the prior a score_mod, SSMax folded into q), prior and SSMax held fixed;
    ref       the pure-PyTorch tiled op (kernels/bam_attention.py), query blocks of 128.
    Then the kernel with sliding windows --windows against full causal at the longest length, Flex
-   with the same windows (SWAX's path) against the kernel, and
+   with the same windows (SWAX's path) against the kernel, what a drawn window costs the Flex op
+   (its block mask's first build, a later draw's lookup), and
    grouped-query attention at the longest length (--gqa: 16 query heads sharing 4 key/value heads,
    fully causal; checked against the reference first): the kernel ("bam gqa 16/4", ratio to the
    kernel with 16 kv heads) and SDPA flash with enable_gqa=True ("sdpa gqa 16/4"; skipped when
@@ -312,9 +313,29 @@ class Bench:
             if self.device == "cuda":
                 torch.cuda.empty_cache()
         print_table(rows, results, longest)
+        if "flex" in a.variants and a.windows:
+            self.window_draw_cost(longest)
         if a.mlstm_lengths:
             self.run_mlstm()
         print(f"total {time.perf_counter() - self.start:.0f} s")
+
+    def window_draw_cost(self, n: int):
+        """What SWAX's per-step window draw costs the Flex op: a window's first step builds its block
+        mask (cached per length and window, kernels/bam_attention_torch.py), each later draw of it looks
+        the mask up; neither recompiles FlexAttention (a new window is new tensors of the same shapes)."""
+        from megabam.kernels.bam_attention_torch import causal_block_mask
+
+        sync = self.torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+        causal_block_mask.cache_clear()
+        for window in self.args.windows:
+            times = []
+            for _ in range(2):  # the first draw of this window, then a later one
+                sync()
+                t0 = time.perf_counter()
+                causal_block_mask(n, window, self.torch.device(self.device))
+                sync()
+                times.append(1e3 * (time.perf_counter() - t0))
+            print(f"window draw at N={n}, w={window}: first {times[0]:.2f} ms (block mask), later {times[1]:.4f} ms")
 
     # --- the chunkwise mLSTM ------------------------------------------------------------------
 

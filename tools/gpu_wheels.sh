@@ -4,7 +4,7 @@
 # of what the image lacks, DeepSpeed and megabam built as pure-Python wheels. Then, from this machine:
 #
 #   bash tools/gpu_wheels.sh
-#   run(command="bash tools/gpu_check.sh", carry=[".gpu"], timeout_s=600)
+#   then the two device calls in tools/gpu_check.sh's header
 #
 # .gpu/ is ignored by git; gpu_check.sh installs only the wheels whose module the image lacks.
 set -euo pipefail
