@@ -30,6 +30,15 @@
 # script, not the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source_digest() {  # of the sources the megabam wheel is built from (tools/gpu_wheels.sh records it)
+  find megabam kernels -name __pycache__ -prune -o -type f \( -name '*.py' -o -name '*.c' -o -name '*.h' -o -name '*.json' \) -print |
+    LC_ALL=C sort | xargs sha1sum | sha1sum | cut -d' ' -f1
+}
+if [[ ${1:-} == --source-digest ]]; then source_digest; exit 0; fi
+if [[ "$(cat .gpu/megabam.digest 2>/dev/null)" != "$(source_digest)" ]]; then
+  echo "gpu_check: .gpu/'s megabam wheel was not built from this tree: run bash tools/gpu_wheels.sh first" >&2
+  exit 2
+fi
 OUT=${OUT:-runs/gpu_check}
 PY=${PY:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/megabam-site}

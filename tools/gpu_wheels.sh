@@ -25,4 +25,5 @@ rm -f .gpu/pydantic_core-*.whl
   --platform manylinux_2_17_x86_64 -d .gpu "pydantic-core==$core"
 DS_BUILD_OPS=0 "${PIP[@]}" wheel --no-deps --no-build-isolation -w .gpu "deepspeed>=0.16,<0.20"
 "${PIP[@]}" wheel --no-deps --no-build-isolation -w .gpu .
+bash tools/gpu_check.sh --source-digest > .gpu/megabam.digest  # gpu_check.sh refuses a wheel older than the tree
 ls .gpu
