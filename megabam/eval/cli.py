@@ -92,8 +92,19 @@ def add_repro_parser(sub) -> None:
     rp.add_argument(
         "--lengths", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="multiples of the training length scored"
     )
-    rp.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.5, 1.0], help="needle depths in [0, 1]")
-    rp.add_argument("--trials", type=int, default=2, help="prompts per (length, depth) cell (default 2)")
+    rp.add_argument(
+        "--depths",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="needle depths in [0, 1] (default 0 0.25 0.5 0.75 1)",
+    )
+    rp.add_argument(
+        "--trials",
+        type=int,
+        default=4,
+        help="prompts per (length, depth) cell (default 4: 20 prompts per length, each with its own key)",
+    )
     # Their defaults live in megabam/eval/mqar.py (MIXERS, Setting), imported only when mqar runs:
     # it imports torch, which the parser of every command would otherwise pay for (~1 s).
     mq = rp.add_argument_group("mqar only (defaults: megabam/eval/mqar.py)")
@@ -103,6 +114,8 @@ def add_repro_parser(sub) -> None:
     mq.add_argument("--seq-len", type=int, help="tokens per sample (default 256)")
     mq.add_argument("--vocab", type=int, help="vocabulary size (default 512)")
     mq.add_argument("--window", type=int, help="the SWA layers' window (default 16)")
+    mq.add_argument("--lr", type=float, help="peak AdamW learning rate (default 0.001)")
+    mq.add_argument("--batch", type=int, help="samples per step (default 32)")
 
 
 def run_repro(args) -> int:
@@ -151,15 +164,20 @@ def _mqar(args) -> list[str]:
     from megabam.config import ConfigError, load_config
     from megabam.eval.mqar import MIXERS, Cell, Setting, model_overrides, mqar_batch, run_grid
 
-    _require(not args.overrides, f"mqar takes no config overrides (its cells' configs are fixed), got {args.overrides}")
+    odd = [o for o in args.overrides if not o.startswith("model.")]
+    _require(not odd, f"mqar takes model.* overrides only (a cell's training is its own), got {' '.join(odd)}")
     mixers = args.mixers or list(MIXERS)
     unknown = [m for m in mixers if m not in MIXERS]
     _require(not unknown, f"--mixers: unknown mixer(s) {', '.join(unknown)} (known: {', '.join(MIXERS)})")
     _require(len(set(args.seeds)) == len(args.seeds), f"--seeds must be distinct, got {args.seeds}")
     _require(args.steps is None or args.steps >= 1, f"--steps must be at least 1, got {args.steps}")
     _require(all(w >= 32 and w % 32 == 0 for w in args.widths), f"--widths must be multiples of 32, got {args.widths}")
-    given = dict(seq_len=args.seq_len, vocab=args.vocab, window=args.window, steps=args.steps)
-    setting = replace(Setting(), **{k: v for k, v in given.items() if v is not None})
+    _require(args.lr is None or args.lr > 0, f"--lr must be positive, got {args.lr}")
+    _require(args.batch is None or args.batch >= 1, f"--batch must be at least 1, got {args.batch}")
+    given = dict(
+        seq_len=args.seq_len, vocab=args.vocab, window=args.window, steps=args.steps, lr=args.lr, batch=args.batch
+    )
+    setting = replace(Setting(overrides=tuple(args.overrides)), **{k: v for k, v in given.items() if v is not None})
     try:  # every cell's data and config checked before the first one trains
         import torch
 

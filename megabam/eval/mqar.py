@@ -109,11 +109,17 @@ class Setting:
     lr: float = 1e-3
     window: int = 16  # the SWA layers' (shorter than any grid's pairs span: 2·pairs ≥ 32 tokens)
     eval_samples: int = 512
+    overrides: tuple[str, ...] = ()  # model.* config overrides after the cell's own (an arm's variant)
+
+    def record(self) -> dict:
+        """As a cell's JSON file holds it (a finished cell counts only under the same setting)."""
+        return {**self.__dict__, "overrides": list(self.overrides)}
 
 
 def model_overrides(cell: Cell, setting: Setting) -> list[str]:
     """The config of a cell's model: megabam's defaults for each mixer, heads of 32 (at least 1),
-    RoPE without SSMax in the attention layers (the field's baseline attention)."""
+    RoPE without SSMax in the attention layers (the field's baseline attention), then the setting's
+    own overrides."""
     return [
         f"model.vocab_size={setting.vocab}",
         f"model.d_model={cell.width}",
@@ -127,6 +133,7 @@ def model_overrides(cell: Cell, setting: Setting) -> list[str]:
         f"window.windows=[{setting.window}]",
         "window.probabilities=[1.0]",
         f"data.seq_len={setting.seq_len}",
+        *setting.overrides,
     ]
 
 
@@ -159,7 +166,7 @@ def train_cell(cell: Cell, setting: Setting, log=None) -> dict:
             log(f"  {cell.name} step {step + 1}: recall loss {statistics.fmean(losses[-20:]):.3f}")
     return {
         "cell": cell.__dict__,
-        "setting": setting.__dict__,
+        "setting": setting.record(),
         "accuracy": evaluate(model, cell, setting),
         "final_loss": statistics.fmean(losses[-20:]),
         "params": model.num_params(),
@@ -196,7 +203,7 @@ def run_grid(
     for i, cell in enumerate(todo, 1):
         path = cells_dir / f"{cell.name}.json"
         done = json.loads(path.read_text()) if path.is_file() else None
-        if done is not None and done["setting"] == setting.__dict__:
+        if done is not None and done["setting"] == setting.record():
             what = "done before"
         else:
             done = train_cell(cell, setting, log=say)
@@ -206,7 +213,7 @@ def run_grid(
         say(f"[{i}/{len(todo)}] {cell.name}: {what} | accuracy {done['accuracy']:.3f}")
     table = summarise(results, mixers, widths, pairs)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text("\n".join(table) + "\n")
+    (out / "results.md").write_text(f"MQAR, setting {json.dumps(setting.record())}\n\n" + "\n".join(table) + "\n")
     return [*table, "", str(out / "results.md"), str(draw(results, mixers, widths, pairs, out / "mqar.png"))]
 
 

@@ -159,42 +159,59 @@ def evaluate_run(run_dir: Path, multiples: list[int], depths: list[float], trial
     return result
 
 
-def summarise(results: dict[str, dict[int, dict]], multiples: list[int], niah: bool) -> list[str]:
-    """Markdown table: per arm, mean ± spread (min–max over seeds) of each score."""
+def prompt_outcomes(result: dict, metric: str, multiple: int) -> list[float]:
+    """One run's prompts at a length as 1 (retrieved) or 0: its score there times the prompts it
+    was scored on (trials × depths, from the result's own evaluation settings)."""
+    n = result["evaluation"]["trials"] * len(result["evaluation"]["depths"])
+    hits = round(result[metric][str(multiple)] * n)
+    return [1.0] * hits + [0.0] * (n - hits)
 
-    def cell(values: list[float]) -> str:
+
+def score_interval(seeds: dict[int, dict], metric: str, multiple: int):
+    """The mean over seeds with its 95 % bootstrap interval, seeds and prompts redrawn (stats.py)."""
+    from megabam.eval.stats import bootstrap_mean  # imports torch, which the CLI's parser (STUDIES) must not
+
+    return bootstrap_mean([prompt_outcomes(r, metric, multiple) for r in seeds.values()])
+
+
+def summarise(results: dict[str, dict[int, dict]], multiples: list[int], niah: bool) -> list[str]:
+    """Markdown table: per arm, each retrieval score's mean over seeds with its 95 % bootstrap
+    interval (seeds and prompts redrawn), the validation loss's mean (min–max over seeds)."""
+
+    def loss_cell(values: list[float]) -> str:
         if not values:
             return ""
         mean = statistics.fmean(values)
-        return f"{mean:.2f}" if len(values) == 1 else f"{mean:.2f} ({min(values):.2f}–{max(values):.2f})"
+        return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} ({min(values):.3f}–{max(values):.3f})"
 
     metrics = [("passkey", m) for m in multiples] + ([("niah_single_1", m) for m in multiples] if niah else [])
-    head = ["arm", "seeds", *(f"{name} {m}×" for name, m in metrics), "val loss"]
+    head = ["arm", "seeds", "prompts", *(f"{name} {m}×" for name, m in metrics), "val loss"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for arm, seeds in results.items():
-        cells = [arm, str(len(seeds))]
-        cells += [cell([r[name][str(m)] for r in seeds.values()]) for name, m in metrics]
-        cells.append(cell([r["val_loss"] for r in seeds.values() if r["val_loss"] is not None]))
+        prompts = {len(prompt_outcomes(r, "passkey", multiples[0])) for r in seeds.values()}
+        cells = [arm, str(len(seeds)), "/".join(map(str, sorted(prompts)))]
+        cells += [str(score_interval(seeds, name, m)) for name, m in metrics]
+        cells.append(loss_cell([r["val_loss"] for r in seeds.values() if r["val_loss"] is not None]))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def draw(results: dict[str, dict[int, dict]], multiples: list[int], title: str, out: Path) -> Path:
+    """Passkey retrieval by length, one line per arm, error bars the 95 % bootstrap intervals."""
     from megabam.eval.figures import pyplot, save
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for arm, seeds in results.items():
-        means = [statistics.fmean(r["passkey"][str(m)] for r in seeds.values()) for m in multiples]
-        lows = [min(r["passkey"][str(m)] for r in seeds.values()) for m in multiples]
-        highs = [max(r["passkey"][str(m)] for r in seeds.values()) for m in multiples]
-        errors = [[a - lo for a, lo in zip(means, lows)], [hi - a for a, hi in zip(means, highs)]]
+        spans = [score_interval(seeds, "passkey", m) for m in multiples]
+        means = [s.mean for s in spans]
+        errors = [[s.mean - s.low for s in spans], [s.high - s.mean for s in spans]]
         ax.errorbar(multiples, means, yerr=errors, marker="o", capsize=3, label=arm)
     ax.set_xscale("log", base=2)
     ax.set_xticks(multiples, [f"{m}×" for m in multiples])
     ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("context length / training length")
-    ax.set_ylabel("passkey retrieval")
+    ax.set_ylabel("passkey retrieval (95 % bootstrap interval)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

@@ -25,7 +25,7 @@ def test_repro_trains_evaluates_and_resumes(tmp_path, data_cache):
     results = json.loads((out / "results.json").read_text())
     assert set(results) == {"ggd_ssmax", "alibi"}
     assert set(results["alibi"]["0"]["passkey"]) == {"1", "2"} and results["alibi"]["0"]["step"] == 3
-    assert "| ggd_ssmax | 1 |" in (out / "results.md").read_text()
+    assert "| ggd_ssmax | 1 | 1 | " in (out / "results.md").read_text()  # 1 seed, 1 prompt per length
     assert (out / "bam.png").stat().st_size > 1000
     assert (out / "plots" / "ggd_ssmax-seed0-training.png").stat().st_size > 1000
     log = (out / "train.log").read_text()

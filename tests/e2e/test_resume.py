@@ -24,21 +24,24 @@ RUN = [
 ]
 
 
-@pytest.mark.parametrize("setting,kills", [([], 2), (["train.precision=bf16"], 1)], ids=["fp32", "bf16"])
-def test_kill9_then_auto_resume_repeats_the_losses(tmp_path, data_cache, setting, kills):
-    megabam_train(tmp_path, data_cache, "run.name=reference", *RUN, *setting, nproc=2)
+def test_kill9_then_auto_resume_repeats_the_losses(tmp_path, data_cache):
+    """Two kills of the whole job, two ranks, in fp32. (A bf16 resume repeats its losses bit for bit
+    too: test_train.py's resume under ZeRO-2 with accumulation; a kill only changes which checkpoint
+    the resume starts from, which this tests.)"""
+    kills = 2
+    megabam_train(tmp_path, data_cache, "run.name=reference", *RUN, nproc=2)
     run_dir, log = tmp_path / "killed", tmp_path / "killed.log"
     kill_steps = sorted(random.Random(7).sample(range(2, STEPS - 1), kills))
     for step in kill_steps:
-        proc = start_train(tmp_path, data_cache, "run.name=killed", *RUN, *setting, nproc=2, log=log)
+        proc = start_train(tmp_path, data_cache, "run.name=killed", *RUN, nproc=2, log=log)
         wait_for_step(run_dir, step, proc)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     # the same command again resumes by itself, from the newest complete checkpoint
-    megabam_train(tmp_path, data_cache, "run.name=killed", *RUN, *setting, nproc=2)
+    megabam_train(tmp_path, data_cache, "run.name=killed", *RUN, nproc=2)
     reference, resumed = losses(tmp_path / "reference"), losses(run_dir)
     assert sorted(resumed) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):  # bit for bit, bf16 included
+    for step in range(1, STEPS + 1):  # bit for bit
         assert resumed[step] == reference[step], (step, kill_steps)
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000012", "step_00000014"]

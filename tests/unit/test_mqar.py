@@ -2,11 +2,13 @@
 a tiny attention model learning it, the grid's resume and the command's refusals."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from megabam.cli import main
+from megabam.config import load_config
 from megabam.eval import mqar
 from megabam.eval.mqar import IGNORE, Cell, Setting
 
@@ -83,12 +85,24 @@ def test_the_grid_skips_finished_cells_and_redoes_changed_ones(tmp_path, monkeyp
 
     def train(cell, s, log=None):
         trained.append(cell)
-        return {"cell": cell.__dict__, "setting": s.__dict__, "accuracy": 0.5, "seconds": 0.0}
+        return {"cell": cell.__dict__, "setting": s.record(), "accuracy": 0.5, "seconds": 0.0}
 
     monkeypatch.setattr(mqar, "train_cell", train)
     longer = Setting(seq_len=16, vocab=32, steps=3, batch=4, eval_samples=8)
     mqar.run_grid(tmp_path, ["mlstm"], [32], [2], [0], longer, say=lambda line: None)
     assert trained == [Cell("mlstm", 32, 2, 0)]
+    mqar.run_grid(tmp_path, ["mlstm"], [32], [2], [0], longer, say=lambda line: None)
+    assert len(trained) == 1
+    variant = replace(longer, overrides=("model.mlstm.igate_bias_init=0",))
+    mqar.run_grid(tmp_path, ["mlstm"], [32], [2], [0], variant, say=lambda line: None)
+    assert len(trained) == 2 and "model.mlstm.igate_bias_init=0" in (tmp_path / "results.md").read_text()
+
+
+def test_a_settings_overrides_reach_the_cells_model_after_its_own():
+    setting = Setting(overrides=("model.mlstm.igate_bias_init=0", "model.n_heads=1"))
+    cfg = load_config(None, mqar.model_overrides(Cell("mlstm", 64, 4, 0), setting)).model
+    assert (cfg.mlstm.igate_bias_init, cfg.n_heads, cfg.d_model) == (0.0, 1, 64)
+    assert mqar.Decoder(cfg).blocks[0].mixer.igate.bias.eq(0).all()
 
 
 @pytest.mark.parametrize(
@@ -97,7 +111,9 @@ def test_the_grid_skips_finished_cells_and_redoes_changed_ones(tmp_path, monkeyp
         (["--pairs", "200"], "--pairs: MQAR needs"),
         (["--mixers", "rnn"], "--mixers: unknown mixer(s) rnn"),
         (["--widths", "48"], "--widths must be multiples of 32"),
-        (["model.d_model=64"], "mqar takes no config overrides"),
+        (["data.seq_len=64"], "mqar takes model.* overrides only (a cell's training is its own), got data.seq_len=64"),
+        (["model.mlstm.gate_soft_cap=0"], "model.mlstm.gate_soft_cap"),
+        (["--lr", "0"], "--lr must be positive, got 0.0"),
     ],
 )
 def test_the_command_refuses_bad_arguments_in_one_line(args, message, tmp_path, capsys):
@@ -112,5 +128,6 @@ def test_the_help_states_the_settings_defaults(capsys):
         main(["repro", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     defaults = Setting()
-    for flag, value in (("--seq-len", defaults.seq_len), ("--vocab", defaults.vocab), ("--window", defaults.window)):
+    flags = ("--seq-len", "--vocab", "--window", "--lr", "--batch")
+    for flag, value in zip(flags, (defaults.seq_len, defaults.vocab, defaults.window, defaults.lr, defaults.batch)):
         assert f"(default {value})" in text.rsplit(flag, 1)[1][:80], flag

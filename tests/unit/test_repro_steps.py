@@ -35,3 +35,27 @@ def test_a_repro_runs_progress_is_the_last_complete_metrics_row(tmp_path):
     assert last_step(metrics) == 0  # not yet written
     metrics.write_text('{"step": 10, "loss": 3.0}\n{"step": 20, "loss": 2.5}\n{"step": 3')  # a row being written
     assert last_step(metrics) == 20
+
+
+def test_the_table_gives_each_score_its_bootstrap_interval_over_seeds_and_prompts(monkeypatch, tmp_path):
+    """Three seeds scored on 20 prompts (5 depths × 4 trials, the default grid): 20/20, 14/20 and
+    0/20 retrieved at 1×. The cell is the mean of the seeds' means with the interval of stats.py
+    over those very prompts (1s and 0s), the prompts column the 20, the loss its mean and range; and
+    the default grid is those 20 prompts."""
+    from megabam.eval.stats import bootstrap_mean
+
+    evaluation = repro.evaluation([1], [0.0, 0.25, 0.5, 0.75, 1.0], 4)
+    scores = {0: 1.0, 1: 0.7, 2: 0.0}
+    results = {
+        "ggd": {s: {"evaluation": evaluation, "passkey": {"1": p}, "val_loss": 2 + s} for s, p in scores.items()}
+    }
+    (head, _, row) = repro.summarise(results, [1], niah=False)
+    assert head == "| arm | seeds | prompts | passkey 1× | val loss |"
+    expected = bootstrap_mean([[1.0] * 20, [1.0] * 14 + [0.0] * 6, [0.0] * 20])
+    assert expected.low < 0.3 and expected.high > 0.7 and f"{expected.mean:.2f}" == "0.57"
+    assert row == f"| ggd | 3 | 20 | {expected} | 3.000 (2.000–4.000) |"
+
+    seen = {}
+    monkeypatch.setattr(repro, "reproduce", lambda *args, **kwargs: seen.update(depths=args[5], trials=args[6]) or [])
+    assert main(["repro", "bam", "--out", str(tmp_path)]) == 0
+    assert len(seen["depths"]) * seen["trials"] == 20 and min(seen["depths"]) == 0.0 and max(seen["depths"]) == 1.0
