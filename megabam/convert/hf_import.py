@@ -259,6 +259,10 @@ def _xlstm(folder: Path, c: dict) -> Source:
         f"model.mlstm.gate_soft_cap={c.get('gate_soft_cap', 15.0)}",
         f"model.mlstm.eps={c.get('eps', 1e-6)}",
         "model.mlstm.head_norm=layer",
+        # xLSTM-7B's layer, whatever megabam's defaults: q, k at d/2, no convolution, its gate init
+        "model.mlstm.qk_dim_factor=0.5",
+        "model.mlstm.conv_size=0",
+        f"model.mlstm.igate_bias_init={c.get('igate_bias_init', -10.0)}",
     ]
     try:
         config = load_config(None, overrides)

@@ -110,11 +110,11 @@ def add_repro_parser(sub) -> None:
     mq = rp.add_argument_group("mqar only (defaults: megabam/eval/mqar.py)")
     mq.add_argument("--mixers", nargs="+", help="mixers or hybrids (default: all six)")
     mq.add_argument("--widths", type=int, nargs="+", default=[64, 128], help="d_model of the cells (default 64 128)")
-    mq.add_argument("--pairs", type=int, nargs="+", default=[4, 8, 16, 32], help="key-value pairs (default 4 8 16 32)")
-    mq.add_argument("--seq-len", type=int, help="tokens per sample (default 256)")
-    mq.add_argument("--vocab", type=int, help="vocabulary size (default 512)")
-    mq.add_argument("--window", type=int, help="the SWA layers' window (default 16)")
-    mq.add_argument("--lr", type=float, help="peak AdamW learning rate (default 0.001)")
+    mq.add_argument("--pairs", type=int, nargs="+", default=[4, 8, 16], help="key-value pairs (default 4 8 16)")
+    mq.add_argument("--seq-len", type=int, help="tokens per sample (default 64)")
+    mq.add_argument("--vocab", type=int, help="vocabulary size (default 64)")
+    mq.add_argument("--window", type=int, help="the SWA layers' window (default 8)")
+    mq.add_argument("--lr", type=float, help="peak AdamW learning rate (default 0.003)")
     mq.add_argument("--batch", type=int, help="samples per step (default 32)")
 
 

@@ -1,4 +1,5 @@
-"""The mLSTM mixer (xLSTM-7B form) around the cell of kernels/mlstm.py.
+"""The mLSTM mixer (xLSTM-7B form, by default with a short convolution on q and k as the original
+xLSTM block has: docs/results.md "MQAR" shows why) around the cell of kernels/mlstm.py.
 
 The cell's equations and its three equivalent forms (parallel, chunkwise, recurrent) are documented
 there. Training and multi-token streaming run the chunkwise form through the dispatch point
@@ -9,7 +10,10 @@ Recurrent layers ignore document boundaries: the state runs across packed docume
 paper's pretraining, and the forget gate learns to clear it.
 """
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megabam.config.schema import ModelConfig
@@ -21,10 +25,19 @@ from megabam.model.registry import register_mixer
 from megabam.model.sharding import TensorParallelPlan
 
 
+class MLstmLayerState(NamedTuple):
+    """What an mLSTM layer carries between calls: the cell's state, and the last conv_size − 1 q, k
+    projections (B, K − 1, 2·qk) the convolution reads (None without one)."""
+
+    cell: MLstmState
+    conv: Tensor | None
+
+
 class MLstm(nn.Module):
-    """q, k projected to d/2 and v to d, split into heads; per-head scalar input and forget gates
-    (soft-capped); the cell; per-head RMS norm (or layer norm, mlstm.head_norm); output gate σ(o) ⊙ h;
-    output projection.
+    """q, k projected to d·mlstm.qk_dim_factor (xLSTM-7B: d/2) and v to d, split into heads; q and k
+    optionally through a short causal depthwise convolution and SiLU (mlstm.conv_size); per-head
+    scalar input and forget gates (soft-capped); the cell; per-head RMS norm (or layer norm,
+    mlstm.head_norm); output gate σ(o) ⊙ h; output projection.
 
     Per-head tensors (gate weights (H, d) and biases (H,), the head-major norm weight (H·d_v,)) keep
     the head dimension first so tensor parallelism can shard them by heads.
@@ -36,15 +49,20 @@ class MLstm(nn.Module):
         super().__init__()
         c, d = cfg.mlstm, cfg.d_model
         n_heads = c.n_heads or cfg.n_heads
-        self.qk_dim, self.v_dim = d // 2 // n_heads, d // n_heads
+        qk = round(d * c.qk_dim_factor)
+        self.qk_dim, self.v_dim = qk // n_heads, d // n_heads
         self.chunk_size, self.soft_cap, self.eps, self.norm_eps = c.chunk_size, c.gate_soft_cap, c.eps, cfg.norm_eps
         self.centred = c.head_norm == "layer"
         self.backend = cfg.kernels
         # Where x enters the six projections that read it: the identity here; tensor parallelism makes
         # it the one collective they share (the plan's entry).
         self.enter = nn.Identity()
-        self.q = nn.Linear(d, d // 2, bias=False)
-        self.k = nn.Linear(d, d // 2, bias=False)
+        self.q = nn.Linear(d, qk, bias=False)
+        self.k = nn.Linear(d, qk, bias=False)
+        # A key is most useful as the token before its value: the convolution hands each step its
+        # predecessors, which a layer without one must first learn to carry in its state.
+        self.conv_size = c.conv_size
+        self.conv = nn.Conv1d(2 * qk, 2 * qk, c.conv_size, groups=2 * qk, bias=False) if c.conv_size else None
         self.v = nn.Linear(d, d, bias=False)
         self.igate = nn.Linear(d, n_heads)
         self.fgate = nn.Linear(d, n_heads)
@@ -65,6 +83,7 @@ class MLstm(nn.Module):
         norm weight, and the matching rows of the output projection."""
         return TensorParallelPlan(
             column={name: 1 for name in ("q", "k", "v", "igate", "fgate", "ogate")},
+            channels={"conv": 2} if self.conv is not None else {},
             row=("out",),
             heads=("norm_weight",),
             entry="enter",
@@ -75,18 +94,22 @@ class MLstm(nn.Module):
         B, N, _ = x.shape
         return x.view(B, N, self.n_heads, dim).transpose(1, 2)
 
-    def cell_inputs(self, x: Tensor) -> tuple[Tensor, ...]:
-        """q, k, v as (B, H, N, ·) and the soft-capped gate pre-activations i, f as (B, H, N)."""
+    def cell_inputs(self, x: Tensor, conv_cache: Tensor | None = None) -> tuple[tuple[Tensor, ...], Tensor | None]:
+        """(q, k, v as (B, H, N, ·), the soft-capped gate pre-activations i, f as (B, H, N)) and the
+        convolution's new cache (None without a convolution)."""
         cap = self.soft_cap
         i = (cap * torch.tanh(self.igate(x) / cap)).transpose(1, 2)
         f = (cap * torch.tanh(self.fgate(x) / cap)).transpose(1, 2)
-        return (
-            self._heads(self.q(x), self.qk_dim),
-            self._heads(self.k(x), self.qk_dim),
-            self._heads(self.v(x), self.v_dim),
-            i,
-            f,
-        )
+        q, k = self.q(x), self.k(x)
+        if self.conv is not None:
+            qk = torch.cat([q, k], dim=-1)
+            if conv_cache is None:
+                conv_cache = qk.new_zeros(x.shape[0], self.conv_size - 1, qk.shape[-1])
+            padded = torch.cat([conv_cache, qk], dim=1)
+            q, k = F.silu(self.conv(padded.transpose(1, 2)).transpose(1, 2)).chunk(2, dim=-1)
+            conv_cache = padded[:, padded.shape[1] - (self.conv_size - 1) :]
+        heads = (self._heads(q, self.qk_dim), self._heads(k, self.qk_dim), self._heads(self.v(x), self.v_dim))
+        return (*heads, i, f), conv_cache
 
     def _output(self, x: Tensor, h: Tensor) -> Tensor:
         B, N, _ = x.shape
@@ -98,18 +121,19 @@ class MLstm(nn.Module):
     def forward(self, x: Tensor, seq: SequenceInfo) -> Tensor:
         return self.stream(x, None, seq)[0]
 
-    def stream(self, x: Tensor, state: MLstmState | None, seq: SequenceInfo) -> tuple[Tensor, MLstmState]:
+    def stream(self, x: Tensor, state: MLstmLayerState | None, seq: SequenceInfo) -> tuple[Tensor, MLstmLayerState]:
         """Continue from `state` (None = start) over x (B, N, d); returns (output, state after the last
         step). Several steps run the chunkwise form on the op the dispatch point picks (the Triton kernel
         on CUDA tensors), a single step (generation) the recurrent one."""
         x = self.enter(x)
-        q, k, v, i, f = self.cell_inputs(x)
+        (q, k, v, i, f), conv = self.cell_inputs(x, None if state is None else state.conv)
+        cell = None if state is None else state.cell
         i, f = i.to(compute_dtype(x)), f.to(compute_dtype(x))
         if x.shape[1] == 1:  # the dispatch points cast q, k, v for the op they pick
-            h, state = dispatch.mlstm_steps(q, k, v, i, f, self.eps, state, backend=self.backend)
+            h, cell = dispatch.mlstm_steps(q, k, v, i, f, self.eps, cell, backend=self.backend)
         else:
-            h, state = self.cell(q, k, v, i, f, state)
-        return self._output(x, h.to(x.dtype)), state
+            h, cell = self.cell(q, k, v, i, f, cell)
+        return self._output(x, h.to(x.dtype)), MLstmLayerState(cell, conv)
 
     def cell(self, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor, state: MLstmState | None):
         """The chunkwise cell on the op the dispatch point picks (it casts q, k, v for that op); a

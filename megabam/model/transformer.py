@@ -87,7 +87,7 @@ class Block(nn.Module):
 
 class DecoderState(NamedTuple):
     """What `Decoder.stream` carries between calls: each layer's cache or recurrent state (a KVCache,
-    MLstmState or GatedDeltaNetState) and the number of tokens streamed so far."""
+    MLstmLayerState or GatedDeltaNetState) and the number of tokens streamed so far."""
 
     layers: list
     length: int

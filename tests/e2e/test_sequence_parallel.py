@@ -18,6 +18,7 @@ from helpers.tensor_parallel import (
     count_parameters,
     gather_shards,
     make_batch,
+    shard_blocks,
 )
 
 from megabam.config import ConfigError, load_config
@@ -124,8 +125,10 @@ def _compare_sp(overrides: list[str], window) -> dict[str, float]:
                 assert params[1][name].grad is None and params[2][name].grad is None, name
                 continue
             compared.add(name)
-            sp_grad = gather_shards(name, params[2][name].grad, topo.tp_group)
-            for ref_grad, key in [(gather_shards(name, params[1][name].grad, topo.tp_group), "tp"), (p.grad, "full")]:
+            blocks = shard_blocks(full, name, topo.tp_size)
+            sp_grad = gather_shards(name, params[2][name].grad, topo.tp_group, blocks)
+            tp_grad = gather_shards(name, params[1][name].grad, topo.tp_group, blocks)
+            for ref_grad, key in [(tp_grad, "tp"), (p.grad, "full")]:
                 diff = (sp_grad - ref_grad).abs().max().item()
                 assert diff <= GRAD_ATOL, (step, key, name, diff)
                 worst[f"grad_abs_vs_{key}"] = max(worst[f"grad_abs_vs_{key}"], diff)

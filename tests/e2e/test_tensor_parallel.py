@@ -21,11 +21,11 @@ from helpers.tensor_parallel import (
     count_parameters,
     gather_shards,
     make_batch,
+    shard_blocks,
 )
 
 from megabam.config import ConfigError, load_config
 from megabam.model import Decoder
-from megabam.model.attention import Attention
 from megabam.parallel.layout import ParallelLayout
 from megabam.parallel.mappings import (
     copy_to_tensor_region,
@@ -189,15 +189,6 @@ def test_mappings_and_vocab_parallel_loss_match_single_process_math():
 # --- whole models: TP=2 against TP=1 from the same seed --------------------------------------------
 
 
-def _gqa_blocks(full: Decoder, name: str, tp: int):
-    """The [q | k | v] row blocks of a TP shard of an attention projection with fewer kv heads, else None."""
-    owner = full.get_submodule(name.rsplit(".", 2)[0]) if name.endswith("qkv.weight") else None
-    if not isinstance(owner, Attention) or owner.kv_heads == owner.n_heads:
-        return None
-    q, kv = owner.n_heads * owner.head_dim // tp, owner.kv_heads * owner.head_dim // tp
-    return [q, kv, kv]
-
-
 def _compare_tp_with_single(overrides: list[str], window, covered: tuple[str, ...]) -> dict[str, float]:
     """3 AdamW steps of the TP model and the full model from the same seed: initial shards, losses,
     gathered gradients (every step), then logits of the forward and of recurrent streaming must agree,
@@ -230,7 +221,7 @@ def _compare_tp_with_single(overrides: list[str], window, covered: tuple[str, ..
     assert tp_params.keys() == dict(full.named_parameters()).keys()
     blocks = {}
     for name, p in full.named_parameters():
-        blocks[name] = _gqa_blocks(full, name, topo.tp_size)
+        blocks[name] = shard_blocks(full, name, topo.tp_size)
         assert torch.equal(gather_shards(name, tp_params[name].detach(), topo.tp_group, blocks[name]), p.detach()), name
         replicated = name == "norm.weight" or name.endswith(REPLICATED)
         assert getattr(tp_params[name], "tensor_model_parallel", False) == (not replicated), name

@@ -22,7 +22,9 @@ BAM = [
 
 # How each parameter is split, by name (independent of apply_tp): dim 0 in fused blocks, dim 1, or
 # replicated. Everything not listed is split along dim 0 in one block.
-FUSED_BLOCKS = {"qkv.weight": 3, "conv.weight": 3, "gate_up.weight": 2}
+FUSED_BLOCKS = {"qkv.weight": 3, "gate_up.weight": 2}
+# A convolution's channels by the mixer that holds it: [q | k | v] in Gated DeltaNet, [q | k] in the mLSTM.
+CONV_BLOCKS = {"GatedDeltaNet": 3, "MLstm": 2}
 SPLIT_INPUTS = ("out.weight", "down.weight")
 REPLICATED = ("mixer_norm.weight", "mlp_norm.weight")
 
@@ -37,11 +39,30 @@ def count_parameters(model: torch.nn.Module, topology: Topology) -> int:
     return int(sharded) + sum(p.numel() for p, m in zip(model.parameters(), marked) if not m)
 
 
+def shard_blocks(full: torch.nn.Module, name: str, tp: int) -> list[int] | None:
+    """The fused row blocks of a TP shard of parameter `name` of the whole model `full` where the name
+    alone does not tell them: an attention projection with fewer kv heads ([q | k | v] of unequal
+    sizes) and a convolution (its mixer's CONV_BLOCKS); None elsewhere."""
+    if not name.endswith(("qkv.weight", "conv.weight")):
+        return None
+    owner = full.get_submodule(name.rsplit(".", 2)[0])
+    if name.endswith("conv.weight"):
+        parts = CONV_BLOCKS[type(owner).__name__]
+        return [owner.conv.weight.shape[0] // parts // tp] * parts
+    kv_heads, heads = getattr(owner, "kv_heads", None), getattr(owner, "n_heads", None)
+    if kv_heads is None or kv_heads == heads or not hasattr(owner, "head_dim"):
+        return None
+    q, kv = heads * owner.head_dim // tp, kv_heads * owner.head_dim // tp
+    return [q, kv, kv]
+
+
 def gather_shards(name: str, local: torch.Tensor, group, blocks=None) -> torch.Tensor:
     """The full tensor from every rank's shard of parameter `name` (or gradient); `blocks` lists the
-    shard's fused row blocks when they differ in size (GQA's [q | k | v])."""
+    shard's fused row blocks where the name does not tell them (shard_blocks)."""
     if name == "norm.weight" or name.endswith(REPLICATED):
         return local
+    if blocks is None and name.endswith("conv.weight"):
+        raise ValueError(f"{name}: a convolution's blocks depend on its mixer; pass shard_blocks(...)")
     shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, local.contiguous(), group=group)
     if name.endswith(SPLIT_INPUTS):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megabam.config import load_config
+from megabam.config import ConfigError, load_config
 from megabam.kernels.mlstm import mlstm_chunkwise, mlstm_parallel, mlstm_recurrent
 from megabam.model.layers import SequenceInfo
 from megabam.model.mlstm import MLstm
@@ -107,7 +107,8 @@ def test_layer_shapes_are_half_width_qk_and_head_first():
     assert layer.q.weight.shape == (12, 24) and layer.v.weight.shape == (24, 24)
     assert layer.igate.weight.shape == (3, 24) and layer.fgate.bias.shape == (3,)
     assert layer.norm_weight.shape == (24,)  # head-major (3 heads × 8)
-    assert torch.allclose(layer.igate.bias, torch.full((3,), -10.0, dtype=torch.float64))
+    assert torch.allclose(layer.igate.bias, torch.zeros(3, dtype=torch.float64))
+    assert layer.conv.weight.shape == (24, 1, 4)  # q and k channels, depthwise, width 4
     assert torch.allclose(layer.fgate.bias, torch.tensor([3.0, 4.5, 6.0], dtype=torch.float64))
 
 
@@ -115,12 +116,15 @@ def test_layer_gates_are_soft_capped():
     layer = _layer(gate_soft_cap=2.0)
     with torch.no_grad():
         layer.igate.bias.fill_(1e3)
-    i = layer.cell_inputs(torch.randn(1, 5, 24, dtype=torch.float64))[3]
+    i = layer.cell_inputs(torch.randn(1, 5, 24, dtype=torch.float64))[0][3]
     assert torch.allclose(i, torch.full_like(i, 2.0))
 
 
-def test_layer_chunkwise_equals_token_by_token_and_trains():
-    layer = _layer()
+@pytest.mark.parametrize(
+    "options", [{}, {"conv_size": 0, "igate_bias_init": -10.0}, {"conv_size": 3, "qk_dim_factor": 1.0}]
+)
+def test_layer_chunkwise_equals_token_by_token_and_trains(options):
+    layer = _layer(**options)
     x = torch.randn(2, 11, 24, dtype=torch.float64)
     y, state = layer.stream(x, None, SequenceInfo())  # chunkwise
     steps, step_state = [], None
@@ -148,3 +152,40 @@ def test_head_norm_is_rms_or_mean_centred_layer_norm_per_head(head_norm):
     normed = normed * layer.norm_weight.view(3, 1, 8)
     expected = layer.out(torch.sigmoid(layer.ogate(x)) * normed.transpose(1, 2).reshape(2, 5, 24))
     assert torch.allclose(layer._output(x, h), expected, atol=1e-12)
+
+
+def test_the_convolution_is_causal_and_depthwise_with_silu_as_written_plainly():
+    """q, k after mlstm.conv_size=3: per channel c, silu(Σ_j w[c, j]·z[t − 2 + j]) with z the
+    projection (zeros before the start); q, k of width d (qk_dim_factor 1); v untouched."""
+    layer = _layer(conv_size=3, qk_dim_factor=1.0)
+    assert (layer.qk_dim, layer.q.weight.shape, layer.conv.weight.shape) == (8, (24, 24), (48, 1, 3))
+    x = torch.randn(2, 6, 24, dtype=torch.float64)
+    (q, k, v, _, _), cache = layer.cell_inputs(x)
+    z = torch.cat([layer.q(x), layer.k(x)], dim=-1)
+    w = layer.conv.weight[:, 0]
+    want = torch.zeros_like(z)
+    for t in range(6):
+        for j in range(3):
+            if t - 2 + j >= 0:
+                want[:, t] += w[:, j] * z[:, t - 2 + j]
+    want = want * torch.sigmoid(want)
+    as_heads = lambda a: a.view(2, 6, 3, 8).transpose(1, 2)  # noqa: E731
+    torch.testing.assert_close(q, as_heads(want[..., :24]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(k, as_heads(want[..., 24:]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(v, as_heads(layer.v(x)), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cache, z[:, -2:])
+    assert _layer(conv_size=0).conv is None and "conv.weight" not in dict(_layer(conv_size=0).named_parameters())
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.mlstm.qk_dim_factor=0.3"], "model.mlstm.qk_dim_factor"),  # 7.2 of 24
+        (["model.mlstm.qk_dim_factor=0.25"], "model.mlstm.n_heads"),  # 6 does not split into 4 heads
+        (["model.mlstm.conv_size=-1"], "model.mlstm.conv_size"),
+    ],
+)
+def test_bad_mlstm_shapes_are_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.d_model=24", "model.n_heads=4", "model.layer_pattern=[mlstm]", *overrides])
+    assert e.value.key == key

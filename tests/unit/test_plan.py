@@ -39,8 +39,8 @@ def hand_count(cfg) -> dict[str, int]:
             if a.positional == "ggd_bam":
                 priors += 3 * H  # θ_α, θ_β, θ_μ per head
         elif kind == "mlstm":
-            h = m.mlstm.n_heads or H
-            counts[kind] = counts.get(kind, 0) + 2 * d * (d // 2) + 3 * d * d + 2 * (d * h + h) + d
+            h, qk, c = m.mlstm.n_heads or H, round(d * m.mlstm.qk_dim_factor), m.mlstm.conv_size
+            counts[kind] = counts.get(kind, 0) + 2 * d * qk + 2 * qk * c + 3 * d * d + 2 * (d * h + h) + d
         else:
             h, c = m.gated_deltanet.n_heads or H, m.gated_deltanet.conv_size
             counts[kind] = counts.get(kind, 0) + 3 * d * d + 3 * d * c + 2 * d * h + 2 * d * d + 2 * h + d

@@ -218,6 +218,8 @@ def test_swax_configs_load_and_have_the_paper_shape(name):
     if name != "swax_tiny_cpu.yaml":
         assert cfg.data.seq_len == 16384 and cfg.window.windows == [128, 2048]
         assert cfg.model.swa.positional == "rope"
+        m = cfg.model.mlstm  # xLSTM-7B's layer, whatever megabam's defaults
+        assert (m.qk_dim_factor, m.conv_size, m.igate_bias_init, m.n_heads) == (0.5, 0, -10.0, 8 if "7b" in name else 4)
         with torch.device("meta"):
             params = Decoder(cfg.model).num_params()
         assert (1.2e9 < params < 1.6e9) if "1p4b" in name else (6.5e9 < params < 7.5e9)
