@@ -6,9 +6,10 @@ different trained model, a prompt a different question to it. The interval resam
 (Davison & Hinkley, "Bootstrap Methods", 1997, §3.8): draw the seeds with replacement, then within
 each drawn seed its prompts with replacement, and take the mean of the per-seed means; the interval
 is the percentile interval of that mean over the resamples. With one seed it is the ordinary
-bootstrap over prompts; with one value per seed, over seeds alone. Three seeds can never give an
-interval narrower than what their own spread allows: with 3 seeds, each extreme seed drawn three
-times has probability 1/27 > 2.5 %, so a 95 % interval always reaches the lowest and highest seed.
+bootstrap over prompts; with one value per seed, over seeds alone. Three seeds cannot give an
+interval narrower than their own spread: drawing the same extreme seed three times has probability
+1/27 > 2.5 %, so a 95 % interval reaches the lowest and the highest seed's score (exactly with one
+value per seed; beyond them when the prompts inside those seeds are redrawn too).
 """
 
 from dataclasses import dataclass

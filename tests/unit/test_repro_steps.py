@@ -13,7 +13,7 @@ from megabam.cli import main
         ("bam", [], 1200),  # the study's default (twice the main job's 600)
         ("bam", ["train.steps=900"], 900),  # an override wins over the study's default
         ("bam", ["train.steps=900", "--steps", "50"], 50),  # --steps wins over both
-        ("swax", [], 400),  # no study default: yaml_configs/swax_tiny_cpu.yaml's train.steps
+        ("swax", [], 1500),  # no study default: yaml_configs/swax_tiny_cpu.yaml's train.steps
     ],
 )
 def test_steps_per_run(monkeypatch, tmp_path, study, extra, steps):

@@ -187,6 +187,8 @@ def test_tiny_swax_trains_with_the_stochastic_window():
             "model.swa.window=32",
             "window.windows=[8, 32]",
             "model.mlstm.chunk_size=16",
+            "model.init_std=0.02",  # the config's 0.088 is for 128 wide; this test's loss drop was measured at 0.02
+            "data.passkey_min_tokens=null",  # passkey documents of 96+ tokens do not fit 64
         ],
     )
     torch.manual_seed(0)
