@@ -116,6 +116,29 @@ def mlstm_flops(n: int, shape, backward: bool) -> float:
     return n * (min(chunk, n) * (dqk + dv) + 4 * dqk * dv) * heads * BATCH * (3.0 if backward else 1.0)
 
 
+def median_ms(step, reps: int, cuda: bool) -> float:
+    """Median milliseconds of `step()` over `reps` calls after one warm-up call (autotuning,
+    compilation): timed by CUDA events on a GPU, by the wall clock on CPU. tools/bench_recurrent_kernels.py
+    times its cells with it too."""
+    import torch  # as everywhere in this file: after the environment (TRITON_INTERPRET) is set
+
+    step()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
 class Bench:
     def __init__(self, args):
         import torch
@@ -209,21 +232,7 @@ class Bench:
                     douts.append(torch.randn(out.shape, device=self.device, dtype=out.dtype))
                 torch.autograd.grad(out, ins[:wrt], douts[0])
 
-        step()  # warm-up: autotuning, compilation
-        times = []
-        for _ in range(self.args.reps):
-            if self.device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                step()
-                times.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(times)
+        return median_ms(step, self.args.reps, self.device == "cuda")
 
     def check(self) -> bool:
         """The kernel (also with GQA) and Flex vs the reference on the same values; True when all are

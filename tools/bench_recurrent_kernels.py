@@ -29,12 +29,11 @@ skips the library rows (they need CUDA).
 import argparse
 import logging
 import math
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+from bench_kernels import median_ms  # tools/, this script's own directory
 
 from megabam.kernels import dispatch
 from megabam.kernels.gated_deltanet import gated_delta_chunkwise, gated_delta_recurrent
@@ -158,21 +157,7 @@ def time_ms(fn, ins) -> float:
             dout.append(torch.randn_like(out))
         torch.autograd.grad(out, ins, dout[0], allow_unused=True)
 
-    step()  # warm-up: autotuning, compilation
-    times = []
-    for _ in range(ARGS.reps):
-        if ins[0].is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return median_ms(step, ARGS.reps, ins[0].is_cuda)
 
 
 def variants(device):
