@@ -505,10 +505,15 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    kind: Literal["adamw", "radam"] = doc(
+        "adamw",
+        "adamw, or radam (the BAM reference's: Adam whose variance estimate warms itself up, so it is run "
+        "with schedule.warmup_steps=0; weight decay decoupled as in AdamW).",
+    )
     lr: float = doc(3e-3, "Peak learning rate.")
-    weight_decay: float = doc(0.1, "AdamW weight decay (never on norms, biases, prior parameters or SSMax s).")
-    betas: list[float] = doc([0.9, 0.95], "AdamW betas.")
-    eps: float = doc(1e-8, "AdamW epsilon.")
+    weight_decay: float = doc(0.1, "Decoupled weight decay (never on norms, biases, prior parameters or SSMax s).")
+    betas: list[float] = doc([0.9, 0.95], "Adam betas.")
+    eps: float = doc(1e-8, "Adam epsilon.")
     prior_lr_mult: float = doc(1.0, "Learning-rate multiplier of the BAM prior parameters θ.")
     ssmax_lr_mult: float = doc(1.0, "Learning-rate multiplier of the SSMax s parameters.")
     grad_clip: float = doc(1.0, "Clip the global gradient norm to this value; 0 = off.")

@@ -39,6 +39,8 @@ class Study:
     steps: int | None = None
 
 
+RADAM = ["optim.kind=radam", "schedule.warmup_steps=0"]
+
 STUDIES = {
     "bam": Study(
         "yaml_configs/tiny_cpu.yaml",
@@ -50,6 +52,14 @@ STUDIES = {
             "rope": ["model.attention.positional=rope", "model.attention.ssmax=false"],
             "nope": ["model.attention.positional=nope", "model.attention.ssmax=false"],
             "nope_ssmax": ["model.attention.positional=nope"],
+            # The BAM reference code's recipe: RAdam without warm-up, every θ starting at 0 (a flat,
+            # NoPE-like prior per layer), or (its May 2025 version) one prior for all layers from ALiBi.
+            "ggd_ssmax_radam_flat": [*RADAM, "model.attention.bam.init=nope"],
+            "ggd_ssmax_radam_shared": [
+                *RADAM,
+                "model.attention.bam.init=alibi",
+                "model.attention.bam.shared_across_layers=true",
+            ],
         },
         niah=False,
         steps=1200,

@@ -15,6 +15,9 @@ INCOMPATIBLE = (
     "train.grad_accum",
     "train.precision",
     "run.seed",
+    # AdamW's and RAdam's states have the same tensors, but torch's RAdam reads a group without its
+    # decoupled_weight_decay flag (AdamW's) as L2 decay: the switch would change the update silently.
+    "optim.kind",
 )
 # Changes that mean nothing for the computation (parallel.data only checks the launched world, which
 # the checkpoint's own files then have to match).

@@ -1,4 +1,4 @@
-"""AdamW parameter groups and the learning-rate schedules."""
+"""The optimizer (AdamW or RAdam), its parameter groups and the learning-rate schedules."""
 
 import math
 
@@ -52,8 +52,13 @@ def add_group_placeholders(stage: nn.Module, groups: set[str]) -> None:
         stage.register_parameter(PLACEHOLDER + group, placeholder)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW, or RAdam with AdamW's decoupled weight decay. Both keep the same state (step, exp_avg,
+    exp_avg_sq), so checkpoints, resharding and the memory plan treat them alike."""
+    groups, betas = param_groups(model, cfg), tuple(cfg.betas)
+    if cfg.kind == "radam":
+        return torch.optim.RAdam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, decoupled_weight_decay=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
 
 
 def lr_factor(step: int, cfg: ScheduleConfig, total_steps: int) -> float:

@@ -10,7 +10,7 @@ from helpers.runs import ENV, REPO, SMALL
 
 def repro(tmp_path, data_cache, *extra):
     cmd = [sys.executable, "-m", "megabam.cli", "repro", "bam", *SMALL, f"data.cache_dir={data_cache}"]
-    cmd += ["--arms", "ggd_ssmax", "alibi", "--seeds", "0", "--steps", "3", "--lengths", "1", "2"]
+    cmd += ["--arms", "ggd_ssmax", "ggd_ssmax_radam_shared", "--seeds", "0", "--steps", "3", "--lengths", "1", "2"]
     cmd += ["--depths", "0.5", "--trials", "1", "--out", str(tmp_path / "repro"), *extra]
     result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -18,13 +18,16 @@ def repro(tmp_path, data_cache, *extra):
 
 
 def test_repro_trains_evaluates_and_resumes(tmp_path, data_cache):
+    """The second arm trains with RAdam and one prior shared by the layers (the BAM reference's
+    recipe) through DeepSpeed's ZeRO-1, as any arm."""
     out = tmp_path / "repro"
     first = repro(tmp_path, data_cache)
     assert "[1/2] ggd_ssmax seed 0: trained and evaluated" in first.stderr
-    assert "[2/2] alibi seed 0: trained and evaluated" in first.stderr
+    assert "[2/2] ggd_ssmax_radam_shared seed 0: trained and evaluated" in first.stderr
     results = json.loads((out / "results.json").read_text())
-    assert set(results) == {"ggd_ssmax", "alibi"}
-    assert set(results["alibi"]["0"]["passkey"]) == {"1", "2"} and results["alibi"]["0"]["step"] == 3
+    assert set(results) == {"ggd_ssmax", "ggd_ssmax_radam_shared"}
+    radam = results["ggd_ssmax_radam_shared"]["0"]
+    assert set(radam["passkey"]) == {"1", "2"} and radam["step"] == 3
     assert "| ggd_ssmax | 1 | 1 | " in (out / "results.md").read_text()  # 1 seed, 1 prompt per length
     assert (out / "bam.png").stat().st_size > 1000
     assert (out / "plots" / "ggd_ssmax-seed0-training.png").stat().st_size > 1000
@@ -34,14 +37,14 @@ def test_repro_trains_evaluates_and_resumes(tmp_path, data_cache):
     again = repro(tmp_path, data_cache)
     assert again.stderr.count("done before") == 2
     # A run trained to the end but not evaluated (say, interrupted during evaluation) is only evaluated.
-    (out / "alibi-seed0" / "eval" / "repro.json").unlink()
+    (out / "ggd_ssmax_radam_shared-seed0" / "eval" / "repro.json").unlink()
     third = repro(tmp_path, data_cache)
-    assert "[2/2] alibi seed 0: evaluated" in third.stderr
+    assert "[2/2] ggd_ssmax_radam_shared seed 0: evaluated" in third.stderr
     assert (out / "train.log").read_text() == log, "a finished run was trained again"
     # Other lengths than a cached result was scored at: each run is evaluated again, not retrained.
     fourth = repro(tmp_path, data_cache, "--lengths", "1", "3")
     assert fourth.stderr.count(": evaluated in") == 2
-    assert set(json.loads((out / "results.json").read_text())["alibi"]["0"]["passkey"]) == {"1", "3"}
+    assert set(json.loads((out / "results.json").read_text())["ggd_ssmax_radam_shared"]["0"]["passkey"]) == {"1", "3"}
     assert (out / "train.log").read_text() == log
 
 

@@ -132,3 +132,9 @@ def test_trackers_may_change_on_resume():
     saved = asdict(load_config(None))
     now = asdict(load_config(None, ["logging.tensorboard=true", "logging.wandb_group=g"]))
     assert config_changes(saved, now) == ([], ["logging.tensorboard: False → True", "logging.wandb_group: None → 'g'"])
+
+
+def test_optimizer_kind_may_not_change_on_resume():
+    saved = asdict(load_config(None))
+    now = asdict(load_config(None, ["optim.kind=radam", "schedule.warmup_steps=0"]))
+    assert config_changes(saved, now) == (["optim.kind: 'adamw' → 'radam'"], ["schedule.warmup_steps: 20 → 0"])
