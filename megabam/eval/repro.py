@@ -52,8 +52,10 @@ STUDIES = {
             "rope": ["model.attention.positional=rope", "model.attention.ssmax=false"],
             "nope": ["model.attention.positional=nope", "model.attention.ssmax=false"],
             "nope_ssmax": ["model.attention.positional=nope"],
-            # The BAM reference code's recipe: RAdam without warm-up, every θ starting at 0 (a flat,
-            # NoPE-like prior per layer), or (its May 2025 version) one prior for all layers from ALiBi.
+            # The BAM reference code's recipe: RAdam without warm-up (alone: from megabam's init), every
+            # θ starting at 0 (a flat, NoPE-like prior per layer), or (its May 2025 version) one prior
+            # for all layers from ALiBi.
+            "ggd_ssmax_radam": RADAM,
             "ggd_ssmax_radam_flat": [*RADAM, "model.attention.bam.init=nope"],
             "ggd_ssmax_radam_shared": [
                 *RADAM,
