@@ -15,8 +15,8 @@ INCOMPATIBLE = (
     "train.grad_accum",
     "train.precision",
     "run.seed",
-    # AdamW's and RAdam's states have the same tensors, but torch's RAdam reads a group without its
-    # decoupled_weight_decay flag (AdamW's) as L2 decay: the switch would change the update silently.
+    # The checkpoint's moments belong to the optimizer the run started with; a run that switched
+    # would be neither recipe. Another optimizer starts a new run from the weights (train.init_from).
     "optim.kind",
 )
 # Changes that mean nothing for the computation (parallel.data only checks the launched world, which
