@@ -14,6 +14,7 @@ oversubscribed OpenMP threads ran 5× slower (docs/log/benchmarks-history.md, "C
 
 import glob
 import os
+import signal
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -24,6 +25,12 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # before anything imports torch
     os.environ.setdefault(
         "OMP_NUM_THREADS", str(max(1, available_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
     )
+
+# A suite started in the background of a script (`cmd &`) inherits SIGINT ignored, and bash cannot
+# trap a signal that was ignored when it started: launch/torchrun.sh would ignore the Ctrl-C that
+# tests/e2e/test_signals.py sends. Every process a test starts gets SIGINT as a terminal's would.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 

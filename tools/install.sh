@@ -9,12 +9,21 @@
 #    (megabam/data/streaming_import.py explains the matching import shim);
 #  * DeepSpeed builds from an sdist that imports torch, so it must see the environment's torch.
 #
-# Usage: bash tools/install.sh [--with-test-cluster]
+# Usage: bash tools/install.sh [--with-test-cluster] [--with-transformers-5]
+#   --with-test-cluster   OpenMPI, Slurm and munge for the launcher tests (tools/system_packages.sh)
+#   --with-transformers-5 the export tests' side environment (tests/helpers/transformers_5.py), built
+#                         now instead of inside the suite's time
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+system_args=()
+with_transformers_5=0
 for arg in "$@"; do
-  [[ $arg == --with-test-cluster ]] || { echo "install.sh: unknown option $arg (known: --with-test-cluster)" >&2; exit 2; }
+  case $arg in
+    --with-test-cluster) system_args+=("$arg") ;;
+    --with-transformers-5) with_transformers_5=1 ;;
+    *) echo "install.sh: unknown option $arg (known: --with-test-cluster, --with-transformers-5)" >&2; exit 2 ;;
+  esac
 done
 
 if [[ -n "${MEGABAM_PYTHON:-}" ]]; then
@@ -36,7 +45,7 @@ CONSTRAINTS=$ROOT/.cache/constraints.txt
 echo "$TORCH_PIN" > "$CONSTRAINTS"
 export PIP_CONSTRAINT=$CONSTRAINTS
 
-bash tools/system_packages.sh "$@"
+bash tools/system_packages.sh "${system_args[@]}"
 
 "${PIP[@]}" -r tools/requirements-cpu.txt
 if command -v mpicc >/dev/null; then "${PIP[@]}" "mpi4py>=4"; fi
@@ -46,4 +55,7 @@ if command -v mpicc >/dev/null; then "${PIP[@]}" "mpi4py>=4"; fi
 # DeepSpeed's CPU communication op (~20 s) and the C libraries of the CPU path, built now rather than
 # by the first run (or the first test) that needs them; where one cannot be built, the run says so.
 "$PY" -m megabam.prebuild
+if ((with_transformers_5)); then
+  echo "install.sh: the export tests' transformers 5 environment: $("$PY" tests/helpers/transformers_5.py)"
+fi
 echo "install.sh: megabam installed for $PY"

@@ -51,7 +51,7 @@ def _a_pipeline_layer_file_copied_over_another_is_refused(tmp_path, data_cache, 
 def test_a_new_run_starts_from_a_consolidated_folder(tmp_path, data_cache):
     """train.init_from: the new run computes with the folder's weights (its validation loss after one
     step at a learning rate of 1e-12 is the source run's final one), optimizer and data fresh."""
-    megabam_train(tmp_path, data_cache, "run.name=source", "train.steps=3", "checkpoint.every=3")
+    megabam_train(tmp_path, data_cache, "run.name=source", "train.steps=3", "checkpoint.every=3", "train.eval_every=1")
     assert main(["convert", "consolidate", str(tmp_path / "source"), str(tmp_path / "folder")]) == 0
     result = megabam_train(
         tmp_path,
@@ -68,5 +68,6 @@ def test_a_new_run_starts_from_a_consolidated_folder(tmp_path, data_cache):
     )
     source, continued = logged(tmp_path / "source", "val_loss"), logged(tmp_path / "continued", "val_loss")
     assert continued[1] == pytest.approx(source[3], rel=1e-6)
-    fresh = megabam_train(tmp_path, data_cache, "run.name=fresh", "train.steps=1", "schedule.warmup_steps=0")
-    assert fresh.returncode == 0 and logged(tmp_path / "fresh", "val_loss")[1] != pytest.approx(source[3], rel=1e-3)
+    # The source's validation loss moved while it trained, so a new run that had not loaded the folder
+    # (the same seed's initial weights) would not match it.
+    assert source[1] != pytest.approx(source[3], rel=1e-3)

@@ -5,7 +5,6 @@ greedy generation and tokenizer equal megabam's own, for every positional scheme
 untied head, SWA + mLSTM and SWA + Gated DeltaNet; a SWA + mLSTM model's generation cache does not
 grow with the context."""
 
-import fcntl
 import json
 import os
 import subprocess
@@ -17,13 +16,13 @@ import torch
 from helpers.checkpoints import write_run
 from helpers.hf_load import NEW, PROMPT, TEXT, token_ids
 from helpers.runs import REPO
+from helpers.transformers_5 import side_python
 
 from megabam.checkpoint.consolidated import read_consolidated
 from megabam.cli import main
 from megabam.eval.generate import generate_greedy
 from megabam.eval.trained import load_trained
 
-TRANSFORMERS_5 = "5.24.0"  # the newest 5.x release when this test was written
 LOGITS_ATOL = 1e-5
 SWA = ["model.swa.window=16", "window.windows=[16]", "window.probabilities=[1.0]"]
 VARIANTS = {
@@ -42,28 +41,6 @@ VARIANTS = {
     "deltanet": ["model.layer_pattern=[swa,gated_deltanet]", *SWA],
 }
 HELPER = REPO / "tests" / "helpers" / "hf_load.py"
-
-
-def side_python() -> Path:
-    """A venv with only CPU torch and transformers 5 (built once, kept in the user's cache). Installed by
-    this environment's pip without compiling every module first (the side interpreter compiles what it
-    imports): 41 -> 18 s on a fresh CI machine, where this runs inside the suite's time. Built under a
-    lock: a second copy of the suite on the machine waits for the first's build instead of clearing
-    the folder under it."""
-    cache = (
-        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megabam" / f"transformers-{TRANSFORMERS_5}"
-    )
-    python = cache / "bin" / "python"
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    with open(cache.parent / f".{cache.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (cache / "complete").is_file():
-            subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(cache)], check=True)
-            pins = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={TRANSFORMERS_5}"]
-            pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile"]
-            subprocess.run([*pip, *pins], check=True, timeout=1200)
-            (cache / "complete").write_text("")
-    return python
 
 
 @pytest.fixture(scope="module")

@@ -265,17 +265,32 @@ def test_build_default_dataset_loser_of_race_uses_winner(tmp_path, monkeypatch):
 
 def test_streaming_imports_without_its_tokenizer_and_vision_parts():
     """streaming.text would import transformers' AutoTokenizer (and scikit-learn): ~2.4 s of every
-    training process's start; megabam uses streaming.base only."""
+    training process's start; streaming.base.dataloader the rest of transformers, for two classes
+    megabam's dict batches never are. megabam uses streaming.base only; a later import of
+    transformers gets its real classes, and one loaded before streaming is streaming's."""
     code = (
         "import sys\n"
         "from megabam.data.streaming_import import import_streaming\n"
         "s = import_streaming()\n"
         "assert s.StreamingDataset and s.MDSWriter and s.base.util.clean_stale_shared_memory\n"
-        "heavy = ('transformers.models.auto.tokenization_auto', 'sklearn', 'torchvision')\n"
+        "heavy = ('transformers', 'sklearn', 'torchvision')\n"
         "print([m for m in heavy if m in sys.modules])\n"
+        "from transformers.tokenization_utils_base import BatchEncoding\n"
+        "from transformers.feature_extraction_utils import BatchFeature\n"
+        "print(len(BatchEncoding({'a': [1]})), len(BatchFeature({'a': [1]})))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.split("\n")[:2] == ["[]", "1 1"], out.stdout
+
+    code = (
+        "from transformers.tokenization_utils_base import BatchEncoding\n"
+        "from megabam.data.streaming_import import import_streaming\n"
+        "import_streaming()\n"
+        "import streaming.base.dataloader as d\n"
+        "print(d.BatchEncoding is BatchEncoding)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "True"
 
 
 def test_shared_memory_cleanup_spares_a_segment_created_during_its_scan(monkeypatch):

@@ -1,6 +1,8 @@
 """How many steps `megabam repro` trains each run for: the study's default, a train.steps override,
 or --steps, in that order of precedence."""
 
+import json
+
 import pytest
 
 import megabam.eval.repro as repro
@@ -59,3 +61,42 @@ def test_the_table_gives_each_score_its_bootstrap_interval_over_seeds_and_prompt
     monkeypatch.setattr(repro, "reproduce", lambda *args, **kwargs: seen.update(depths=args[5], trials=args[6]) or [])
     assert main(["repro", "bam", "--out", str(tmp_path)]) == 0
     assert len(seen["depths"]) * seen["trials"] == 20 and min(seen["depths"]) == 0.0 and max(seen["depths"]) == 1.0
+
+
+def test_a_rerun_reuses_trains_or_evaluates_each_run_by_what_is_on_disk(monkeypatch, tmp_path):
+    """Per run: a cached result scored with this evaluation is reused; a run trained to the end whose
+    result is missing, or was scored at other lengths, is evaluated again without training; any other
+    run is trained, then evaluated. (tests/e2e/test_repro.py runs the real training and scoring.)"""
+    trained, scored = [], []
+
+    def train_run(study, arm, seed, out, overrides, log, steps):
+        trained.append(arm)
+        latest = out / repro.run_name(arm, seed) / "checkpoints" / "latest"
+        latest.parent.mkdir(parents=True)
+        latest.write_text(f"step_{steps:08d}\n")
+
+    def evaluate_run(run_dir, multiples, depths, trials, niah):
+        scored.append(run_dir.name)
+        passkey = {str(m): 1.0 for m in multiples}
+        return {"evaluation": repro.evaluation(multiples, depths, trials), "passkey": passkey, "val_loss": 2.0}
+
+    monkeypatch.setattr(repro, "train_run", train_run)
+    monkeypatch.setattr(repro, "evaluate_run", evaluate_run)
+    monkeypatch.setattr(repro, "draw", lambda results, multiples, title, out: out)
+    said = []
+    arms = ["ggd", "alibi", "rope"]
+
+    def run(lengths):
+        trained.clear(), scored.clear(), said.clear()
+        repro.reproduce("bam", tmp_path, arms, [0], lengths, [0.5], 1, [], 3, say=said.append)
+        return [line.split(":")[1].split(" in ")[0].strip() for line in said]
+
+    assert run([1, 2]) == ["trained and evaluated"] * 3 and trained == arms
+    (tmp_path / "alibi-seed0" / "eval" / "repro.json").unlink()  # say, killed while scoring
+    cached = tmp_path / "rope-seed0" / "eval" / "repro.json"
+    result = json.loads(cached.read_text())
+    result["evaluation"]["lengths"] = [1]  # scored at other lengths
+    cached.write_text(json.dumps(result))
+    assert run([1, 2]) == ["done before", "evaluated", "evaluated"]
+    assert trained == [] and scored == ["alibi-seed0", "rope-seed0"]
+    assert run([1, 3]) == ["evaluated"] * 3 and trained == []  # other lengths than every cached result
