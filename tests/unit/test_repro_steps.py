@@ -87,7 +87,8 @@ def test_a_rerun_reuses_trains_or_evaluates_each_run_by_what_is_on_disk(monkeypa
     arms = ["ggd", "alibi", "rope"]
 
     def run(lengths):
-        trained.clear(), scored.clear(), said.clear()
+        for seen in (trained, scored, said):
+            seen.clear()
         repro.reproduce("bam", tmp_path, arms, [0], lengths, [0.5], 1, [], 3, say=said.append)
         return [line.split(":")[1].split(" in ")[0].strip() for line in said]
 
