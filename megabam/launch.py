@@ -87,12 +87,27 @@ FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 def run_passing_signals(cmd: list[str], env: dict[str, str]) -> int:
     """Run `cmd` in a process group of its own, pass FORWARDED signals on to it, wait, and return its
-    exit code (128 + N for a death by signal N, as a shell reports it)."""
-    proc = subprocess.Popen(
-        cmd, env=env, process_group=0, preexec_fn=lambda: process.parent_death_signal(signal.SIGTERM)
-    )
-    previous = {sig: signal.signal(sig, lambda signum, frame: proc.send_signal(signum)) for sig in FORWARDED}
+    exit code (128 + N for a death by signal N, as a shell reports it). The handlers are in place
+    before the job starts: a signal that arrives while it is being started (the job may already be
+    running its first lines) is held and passed on once its PID is known, instead of killing this
+    process and leaving the job to run on."""
+    job: list[subprocess.Popen] = []
+    held: list[int] = []
+
+    def forward(signum, frame):
+        if job:
+            job[0].send_signal(signum)
+        else:
+            held.append(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
+        proc = subprocess.Popen(
+            cmd, env=env, process_group=0, preexec_fn=lambda: process.parent_death_signal(signal.SIGTERM)
+        )
+        job.append(proc)
+        for signum in held:
+            proc.send_signal(signum)
         code = proc.wait()  # resumed after each forwarding handler (PEP 475)
     finally:
         for sig, handler in previous.items():

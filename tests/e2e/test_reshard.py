@@ -1,9 +1,12 @@
 """`megabam convert reshard` on checkpoints that real parallel training wrote (DeepSpeed under torchrun,
 gloo): TP=2 (ZeRO-1; BAM attention with grouped kv heads, then mLSTM) → TP=1 × PP=2, and DP=2 (ZeRO-2)
 → DP=1 (ZeRO-1). The resharded run resumed at the new
-layout must give the losses of the original run continuing at its own, and the optimizer state that
-DeepSpeed loads from the new checkpoint must be the original's re-split (tests/helpers/optimizer_dump.py:
-both sides read by DeepSpeed itself, gathered over data-parallel ranks by its own API)."""
+layout must give the losses of the original run continuing at its own, and (TP=2 → TP=1 × PP=2, the
+case that splits and regroups every tensor) the optimizer state that DeepSpeed loads from the new
+checkpoint must be the original's re-split (tests/helpers/optimizer_dump.py: both sides read by
+DeepSpeed itself, gathered over data-parallel ranks by its own API). DP=2 → DP=1 rests on the losses:
+its moments only change partitioning, and moments left at zero are 6e-3 off where it asks for 1e-6
+(two DeepSpeed launches, ~12 s of the suite, spared)."""
 
 import hashlib
 import subprocess
@@ -21,14 +24,16 @@ from megabam.parallel.tensor_parallel import unshard
 # resume with the Adam moments left at zero is 6e-3 off at step 5.
 LOSS_RTOL = 1e-6
 
+# name → (source overrides, reshard flags, processes after, whether the optimizer state is compared)
 CASES = {
     # BAM attention (per-head θ, SSMax s) with 2 of 4 kv heads, then an mLSTM layer (per-head gates, head norm)
     "tp2_to_tp1pp2": (
         ["parallel.tensor=2", "parallel.zero_stage=1", "model.layer_pattern=[AM]", "model.attention.kv_heads=2"],
         ["--tp", "1", "--pp", "2"],
         2,
+        True,
     ),
-    "dp2_to_dp1": (["parallel.zero_stage=2"], ["--tp", "1", "--pp", "1", "--dp", "1", "--zero-stage", "1"], 1),
+    "dp2_to_dp1": (["parallel.zero_stage=2"], ["--tp", "1", "--pp", "1", "--dp", "1", "--zero-stage", "1"], 1, False),
 }
 
 
@@ -84,12 +89,14 @@ def test_a_resharded_run_resumes_as_the_original_continues(tmp_path, data_cache,
     assert f"reshard: building data 1 × pipeline {CASES[case][1][3]} × tensor 1 on " in err, err  # progress note
     assert digests(ckpt) == before
 
-    nproc = CASES[case][2]
+    nproc, compare_optimizer = CASES[case][2:]
     megabam_train(tmp_path, data_cache, "run.name=resharded", nproc=nproc, config=out / "config.yaml")
     original, resumed = losses(source), losses(out)
     assert sorted(resumed) == list(range(1, 7))  # the source's metrics up to the checkpoint, then its own
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(original[step], rel=LOSS_RTOL), step
+    if not compare_optimizer:
+        return
 
     theirs = dump_optimizer(ckpt, tmp_path / "source.pt", 2)
     ours = dump_optimizer(out / "checkpoints" / "step_00000003", tmp_path / "resharded.pt", nproc)

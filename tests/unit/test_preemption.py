@@ -133,6 +133,37 @@ def test_the_launcher_passes_signals_to_its_job_and_exits_with_its_code(tmp_path
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+SIGNALLED_WHILE_STARTING = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    from megabam.launch import run_passing_signals
+
+    class Starting(subprocess.Popen):
+        \"\"\"The job is running, but a SIGTERM reaches the launcher before its Popen has returned.\"\"\"
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            while not os.path.exists(sys.argv[1]):
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    subprocess.Popen = Starting
+    job = 'trap "echo TERM >> $0; exit 75" TERM; echo ready >> $0; while true; do sleep 0.05; done'
+    sys.exit(run_passing_signals(["bash", "-c", job, sys.argv[1]], {"PATH": "/usr/bin:/bin"}))
+    """
+)
+
+
+def test_a_signal_while_the_job_starts_reaches_the_job(tmp_path):
+    """Before the fix the launcher died of it (or, for SIGINT, of a KeyboardInterrupt inside Popen)
+    and its job ran on, told nothing."""
+    log = tmp_path / "heard"
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNALLED_WHILE_STARTING, str(log)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 75, done.stderr[-2000:]
+    assert log.read_text().split() == ["ready", "TERM"]
+
+
 BLOCKED = textwrap.dedent(
     """
     import datetime
