@@ -4,9 +4,10 @@ Every arm (a set of config overrides) is trained for every seed as a run directo
 --out, through `megabam train` in a fresh process: an interrupted reproduction continues each run
 from its checkpoint, and a finished run (its final checkpoint present) is not trained again. Each run
 is then evaluated once (passkey at multiples of the training length; NIAH for SWAX) and the result
-kept beside it (RUN/eval/repro.json), so a rerun only evaluates what is missing. The table (mean and
-spread over seeds) goes to --out/results.md and results.json, with a figure of retrieval against
-length and, for the BAM arms, each run's θ_β per head over training.
+kept beside it (RUN/eval/repro.json), so a rerun only evaluates what is missing. The table (mean over
+seeds with its 95 % bootstrap interval; for SWAX also each length past 1× without the depth-100 %
+prompts, whose needle any window holds) goes to --out/results.md and results.json, with a figure of
+retrieval against length and, for the BAM arms, each run's θ_β per head over training.
 """
 
 import json
@@ -37,6 +38,11 @@ class Study:
     # config's). BAM: 1,200, twice the main job's 600, because at 600 only some seeds had begun to
     # copy; measured over seeds 0-2, GGD + SSMax retrieved from step 600-800 (docs/results.md).
     steps: int | None = None
+    # Also score the longer lengths without the depth-100 % prompts, whose needle ends a few tokens
+    # before the question, inside any sliding window at every length: what is left needs a memory
+    # that reaches past the window (SWAX's recurrent layers). Those scores come from the per-depth
+    # counts a result keeps (RUN/eval/repro.json's passkey_by_depth).
+    past_window: bool = False
 
 
 RADAM = ["optim.kind=radam", "schedule.warmup_steps=0"]
@@ -74,6 +80,7 @@ STUDIES = {
             "stochastic_16_128": ["window.windows=[16,128]", "window.probabilities=[0.5,0.5]"],
         },
         niah=True,
+        past_window=True,
     ),
 }
 
@@ -136,6 +143,15 @@ def evaluation(multiples: list[int], depths: list[float], trials: int) -> dict:
     return {"lengths": list(multiples), "depths": list(depths), "trials": trials}
 
 
+def reusable(result: dict | None, study: Study, multiples: list[int], depths: list[float], trials: int) -> bool:
+    """Whether a run's cached result answers this evaluation: scored with the same settings, and
+    holding the per-depth counts where the study's table needs them (results from before they were
+    kept are scored again)."""
+    if result is None or result.get("evaluation") != evaluation(multiples, depths, trials):
+        return False
+    return not study.past_window or "passkey_by_depth" in result
+
+
 def evaluate_run(run_dir: Path, multiples: list[int], depths: list[float], trials: int, niah: bool) -> dict:
     """Passkey (and NIAH single_1) scores at each multiple of the training length, the validation loss."""
     from megabam.eval.generate import predict_next
@@ -157,6 +173,7 @@ def evaluate_run(run_dir: Path, multiples: list[int], depths: list[float], trial
         "step": trained.meta.step,
         "train_length": n,
         "passkey": {str(m): grid.by_length()[length] for m, length in zip(multiples, lengths)},
+        "passkey_by_depth": {str(m): row for m, row in zip(multiples, grid.retrieved)},  # retrieved per depth
         "key_tokens": {str(m): sum(row) / len(row) for m, row in zip(multiples, grid.key_tokens)},
         "val_loss": next(
             (r["val_loss"] for r in reversed(read_metrics(run_dir / "metrics.jsonl")) if "val_loss" in r), None
@@ -171,11 +188,21 @@ def evaluate_run(run_dir: Path, multiples: list[int], depths: list[float], trial
     return result
 
 
+PAST_WINDOW = "passkey_past_window"  # the table's name for the passkey prompts at depths below 100 %
+
+
 def prompt_outcomes(result: dict, metric: str, multiple: int) -> list[float]:
     """One run's prompts at a length as 1 (retrieved) or 0: its score there times the prompts it
-    was scored on (trials × depths, from the result's own evaluation settings)."""
-    n = result["evaluation"]["trials"] * len(result["evaluation"]["depths"])
-    hits = round(result[metric][str(multiple)] * n)
+    was scored on (trials × depths, from the result's own evaluation settings); for PAST_WINDOW,
+    the retrieved counts of the depths below 100 %."""
+    trials, depths = result["evaluation"]["trials"], result["evaluation"]["depths"]
+    if metric == PAST_WINDOW:
+        counts = result["passkey_by_depth"][str(multiple)]
+        hits = sum(count for depth, count in zip(depths, counts) if depth < 1)
+        n = trials * sum(depth < 1 for depth in depths)
+    else:
+        n = trials * len(depths)
+        hits = round(result[metric][str(multiple)] * n)
     return [1.0] * hits + [0.0] * (n - hits)
 
 
@@ -186,9 +213,12 @@ def score_interval(seeds: dict[int, dict], metric: str, multiple: int):
     return bootstrap_mean([prompt_outcomes(r, metric, multiple) for r in seeds.values()])
 
 
-def summarise(results: dict[str, dict[int, dict]], multiples: list[int], niah: bool) -> list[str]:
+def summarise(
+    results: dict[str, dict[int, dict]], multiples: list[int], niah: bool, past_window: bool = False
+) -> list[str]:
     """Markdown table: per arm, each retrieval score's mean over seeds with its 95 % bootstrap
-    interval (seeds and prompts redrawn), the validation loss's mean (min–max over seeds)."""
+    interval (seeds and prompts redrawn), the validation loss's mean (min–max over seeds); with
+    `past_window`, the passkey beyond 1× once more without the depth-100 % prompts."""
 
     def loss_cell(values: list[float]) -> str:
         if not values:
@@ -196,8 +226,11 @@ def summarise(results: dict[str, dict[int, dict]], multiples: list[int], niah: b
         mean = statistics.fmean(values)
         return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} ({min(values):.3f}–{max(values):.3f})"
 
-    metrics = [("passkey", m) for m in multiples] + ([("niah_single_1", m) for m in multiples] if niah else [])
-    head = ["arm", "seeds", "prompts", *(f"{name} {m}×" for name, m in metrics), "val loss"]
+    metrics = [("passkey", m) for m in multiples]
+    metrics += [(PAST_WINDOW, m) for m in multiples if m > 1] if past_window else []
+    metrics += [("niah_single_1", m) for m in multiples] if niah else []
+    names = {PAST_WINDOW: "passkey depth < 100 %"}
+    head = ["arm", "seeds", "prompts", *(f"{names.get(name, name)} {m}×" for name, m in metrics), "val loss"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for arm, seeds in results.items():
         prompts = {len(prompt_outcomes(r, "passkey", multiples[0])) for r in seeds.values()}
@@ -255,7 +288,7 @@ def reproduce(
         cached = run_dir / "eval" / "repro.json"
         start = time.perf_counter()
         result = json.loads(cached.read_text()) if cached.is_file() else None
-        if result is not None and result.get("evaluation") == evaluation(multiples, depths, trials):
+        if reusable(result, study, multiples, depths, trials):
             what = "done before"
         else:
             trained_before = trained_to_the_end(run_dir, steps)
@@ -269,7 +302,7 @@ def reproduce(
         results.setdefault(arm, {})[seed] = result
         scores = " ".join(f"{m}×:{result['passkey'][str(m)]:.2f}" for m in multiples)
         say(f"[{i}/{len(todo)}] {arm} seed {seed}: {what} in {time.perf_counter() - start:.0f} s | passkey {scores}")
-    table = summarise(results, multiples, study.niah)
+    table = summarise(results, multiples, study.niah, study.past_window)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "results.md").write_text("\n".join(table) + "\n")
     figure = draw(results, multiples, f"megabam repro {name}: passkey retrieval by length", out / f"{name}.png")

@@ -28,6 +28,8 @@ def test_repro_trains_evaluates_and_resumes(tmp_path, data_cache):
     assert set(results) == {"ggd_ssmax", "ggd_ssmax_radam_shared"}
     radam = results["ggd_ssmax_radam_shared"]["0"]
     assert set(radam["passkey"]) == {"1", "2"} and radam["step"] == 3
+    # one depth, one prompt: the per-depth count (the SWAX table's past-the-window column) is the score
+    assert {m: [score] for m, score in radam["passkey"].items()} == radam["passkey_by_depth"]
     assert "| ggd_ssmax | 1 | 1 | " in (out / "results.md").read_text()  # 1 seed, 1 prompt per length
     assert (out / "bam.png").stat().st_size > 1000
     assert (out / "plots" / "ggd_ssmax-seed0-training.png").stat().st_size > 1000

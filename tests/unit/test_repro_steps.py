@@ -101,3 +101,42 @@ def test_a_rerun_reuses_trains_or_evaluates_each_run_by_what_is_on_disk(monkeypa
     assert run([1, 2]) == ["done before", "evaluated", "evaluated"]
     assert trained == [] and scored == ["alibi-seed0", "rope-seed0"]
     assert run([1, 3]) == ["evaluated"] * 3 and trained == []  # other lengths than every cached result
+
+
+def test_swax_tables_score_the_prompts_past_the_window_from_the_per_depth_counts():
+    """Depths 0, 50 and 100 %, two prompts each, at 1× and 4×: the depth-100 % prompts (needle just
+    before the question, inside any window) are left out of the extra 4× column, and only there."""
+    from megabam.eval.stats import bootstrap_mean
+
+    evaluation = repro.evaluation([1, 4], [0.0, 0.5, 1.0], 2)
+    by_depth = {0: {"1": [2, 2, 2], "4": [1, 0, 2]}, 1: {"1": [2, 1, 2], "4": [0, 0, 2]}}
+    results = {
+        "short_16": {
+            seed: {
+                "evaluation": evaluation,
+                "passkey": {m: sum(row) / 6 for m, row in rows.items()},
+                "passkey_by_depth": rows,
+                "val_loss": 1.0,
+            }
+            for seed, rows in by_depth.items()
+        }
+    }
+    head, _, row = repro.summarise(results, [1, 4], niah=False, past_window=True)
+    assert head == "| arm | seeds | prompts | passkey 1× | passkey 4× | passkey depth < 100 % 4× | val loss |"
+    all_4x = bootstrap_mean([[1.0] * 3 + [0.0] * 3, [1.0] * 2 + [0.0] * 4])
+    past = bootstrap_mean([[1.0] + [0.0] * 3, [0.0] * 4])  # seed 0: 1 of its 4, seed 1: none
+    assert f"{past.mean:.3f}" == "0.125" and f"{all_4x.mean:.3f}" == "0.417"
+    assert row.split(" | ")[4:6] == [str(all_4x), str(past)]
+    bam_head = repro.summarise(results, [1, 4], niah=False)[0]
+    assert bam_head == "| arm | seeds | prompts | passkey 1× | passkey 4× | val loss |"
+
+
+def test_a_swax_result_without_per_depth_counts_is_scored_again():
+    evaluation = repro.evaluation([1, 4], [0.0, 1.0], 4)
+    old = {"evaluation": evaluation, "passkey": {"1": 1.0, "4": 0.5}}
+    new = {**old, "passkey_by_depth": {"1": [4, 4], "4": [0, 4]}}
+    swax, bam = repro.STUDIES["swax"], repro.STUDIES["bam"]
+    assert not repro.reusable(old, swax, [1, 4], [0.0, 1.0], 4)
+    assert repro.reusable(new, swax, [1, 4], [0.0, 1.0], 4)
+    assert repro.reusable(old, bam, [1, 4], [0.0, 1.0], 4)  # its table does not need them
+    assert not repro.reusable(new, swax, [1, 4], [0.0, 1.0], 2) and not repro.reusable(None, bam, [1], [1.0], 4)
