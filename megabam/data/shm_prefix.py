@@ -9,8 +9,16 @@ its leader's registration, and the ranks of one job disagree ("shared memory reg
 match local leader"). Here only the local leader chooses: it creates ``locals`` exclusively (the
 kernel's O_EXCL is the lock) and moves to the next prefix when another job got there first, and the
 job's ranks learn its choice by an all-gather instead of each guessing by a scan of their own.
+
+Streaming also leaves two empty lock files per dataset in the temporary directory
+(``{prefix:06}_barrier_filelock``, ``_cache_filelock``) when the job ends, and every later dataset's
+scan on the node skips each prefix that has them, two ``stat`` calls apiece: a node that had run
+10,000 datasets spent ~0.8 s on the scan of each new one. The local leader removes its prefix's two
+when its process exits normally (a killed job's stay, as streaming's own would).
 """
 
+import atexit
+import contextlib
 import itertools
 import os
 from tempfile import gettempdir
@@ -38,6 +46,8 @@ def get_shm_prefix(
     if distributed:  # every rank's scan done before its leader registers (it would see its own job)
         dist.barrier()
     prefix_int, shm = _claim(streams_local, first_free) if world.is_local_leader else (-1, None)
+    if world.is_local_leader:
+        atexit.register(_remove_file_locks, prefix_int)
     if distributed:
         prefix_int = _leaders_choice(prefix_int, world)
     elif not world.is_local_leader:
@@ -63,6 +73,14 @@ def _claim(streams_local: list[str], prefix_int: int) -> tuple[int, SharedMemory
             continue  # another job registered it since the scan
         shm.buf[: len(data)] = data
         return candidate, shm
+
+
+def _remove_file_locks(prefix_int: int) -> None:
+    """At the leader's exit: its dataset's lock files, which nobody else uses (the prefix's `locals`
+    segment, held until now, kept every other job off it)."""
+    for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(gettempdir(), streaming_prefix._get_path(prefix_int, name)))
 
 
 def _leaders_choice(prefix_int: int, world: World) -> int:

@@ -400,3 +400,36 @@ def test_a_dataset_takes_the_next_prefix_when_another_job_registers_between_its_
     finally:
         for _, shm in others:
             shm.cleanup()
+
+
+LEADER_EXITS = """
+import glob, os, sys
+from tempfile import gettempdir
+from megabam.data.loader import build_loader
+
+loader = build_loader(sys.argv[1], micro_batch_size=4, shuffle=False, seed=0)
+assert [len(batch["input_ids"]) for batch in loader] == [4, 4]
+prefix = loader.dataset._shm_prefix_int
+print(prefix, sorted(os.path.basename(p) for p in glob.glob(os.path.join(gettempdir(), f"{prefix:06}_*"))))
+"""
+
+
+def test_a_dataset_leaves_no_file_locks_behind_when_its_process_exits(tmp_path):
+    """Streaming's two lock files per dataset (megabam/data/shm_prefix.py) exist while the dataset
+    lives and are gone after a normal exit, so later jobs' prefix scans do not grow with the node's
+    history. The process gets a temporary directory of its own (TMPDIR) to look in."""
+    assert write_mds(packed_samples(8, sample_len=17), tmp_path / "mds") == 8
+    locks = tmp_path / "tmp"
+    locks.mkdir()
+    env = dict(os.environ, TMPDIR=str(locks))
+    done = subprocess.run(
+        [sys.executable, "-c", LEADER_EXITS, str(tmp_path / "mds")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    prefix, during = done.stdout.split(" ", 1)
+    assert during.strip() == str([f"{int(prefix):06}_barrier_filelock", f"{int(prefix):06}_cache_filelock"])
+    assert [p.name for p in locks.iterdir() if p.name.endswith("_filelock")] == []
