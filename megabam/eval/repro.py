@@ -227,7 +227,9 @@ def summarise(
         return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} ({min(values):.3f}–{max(values):.3f})"
 
     metrics = [("passkey", m) for m in multiples]
-    metrics += [(PAST_WINDOW, m) for m in multiples if m > 1] if past_window else []
+    depths = {d for seeds in results.values() for r in seeds.values() for d in r["evaluation"]["depths"]}
+    if past_window and min(depths, default=1.0) < 1:  # else there is no prompt past the window to score
+        metrics += [(PAST_WINDOW, m) for m in multiples if m > 1]
     metrics += [("niah_single_1", m) for m in multiples] if niah else []
     names = {PAST_WINDOW: "passkey depth < 100 %"}
     head = ["arm", "seeds", "prompts", *(f"{names.get(name, name)} {m}×" for name, m in metrics), "val loss"]

@@ -127,6 +127,8 @@ def test_swax_tables_score_the_prompts_past_the_window_from_the_per_depth_counts
     past = bootstrap_mean([[1.0] + [0.0] * 3, [0.0] * 4])  # seed 0: 1 of its 4, seed 1: none
     assert f"{past.mean:.3f}" == "0.125" and f"{all_4x.mean:.3f}" == "0.417"
     assert row.split(" | ")[4:6] == [str(all_4x), str(past)]
+    only_the_end = {"short_16": {0: {**results["short_16"][0], "evaluation": repro.evaluation([1, 4], [1.0], 2)}}}
+    assert "depth < 100 %" not in repro.summarise(only_the_end, [1, 4], niah=False, past_window=True)[0]
     bam_head = repro.summarise(results, [1, 4], niah=False)[0]
     assert bam_head == "| arm | seeds | prompts | passkey 1× | passkey 4× | val loss |"
 
