@@ -75,6 +75,26 @@ def build_loader(
     )
 
 
+def load_loader_state(loader, state: dict) -> None:
+    """`loader.load_state_dict(state)` on every rank, each node's local leader first. Every rank
+    creates or attaches streaming's `{prefix}_resume` segment; one that attaches between another's
+    create and its sizing fails ("cannot mmap an empty file": a resume of two ranks under load in the
+    suite), so the others wait at a barrier until the leader's segment is whole."""
+    import torch.distributed as dist
+
+    import_streaming()  # before any streaming module: its package would import its vision parts
+    from streaming.base.world import World
+
+    distributed = dist.is_available() and dist.is_initialized()
+    leader = not distributed or World.detect().is_local_leader
+    if leader:
+        loader.load_state_dict(state)
+    if distributed:
+        dist.barrier()
+        if not leader:
+            loader.load_state_dict(state)
+
+
 @functools.cache
 def _checked_dataset_class():
     """``StreamingDataset`` that raises when a shard failed to download or to match its hash.

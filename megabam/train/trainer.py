@@ -27,7 +27,7 @@ from megabam.checkpoint.weights_only import use_weights_only_loading
 from megabam.config import Config, ConfigError, save_config
 from megabam.config.schema import expand_pattern
 from megabam.data.errors import DataError
-from megabam.data.loader import build_loader
+from megabam.data.loader import build_loader, load_loader_state
 from megabam.data.passkey import passkey_sample
 from megabam.data.shm_cleanup import clean_streaming
 from megabam.data.tokenizer import (
@@ -364,7 +364,7 @@ class Trainer:
                 done = store.set_aside(self.run_dir, tag)
                 log.info(f"checkpoint {root / tag} is unusable (it does not load: {e}); {done}")
                 continue
-            self.train_loader.load_state_dict(meta.loader)
+            load_loader_state(self.train_loader, meta.loader)
             if self.sampler is not None and meta.window_sampler:
                 try:
                     self.sampler.load_state_dict(meta.window_sampler)

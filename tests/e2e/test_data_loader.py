@@ -301,3 +301,46 @@ def test_two_jobs_starting_together_on_a_node_each_get_a_prefix_their_ranks_agre
         rows = [rows_of(np.load(out / f"{job}{rank}.npy")) for rank in range(2)]
         assert len(rows[0]) == len(rows[1]) == 8 and set(rows[0]).isdisjoint(rows[1])
         assert set(rows[0]) | set(rows[1]) == {tuple(s.tokens[:-1]) for s in samples}
+
+
+_RESUME_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch.distributed as dist
+    from megabam.data.loader import load_loader_state
+
+    class Loader:  # the leader's load is slow, as a creator descheduled before sizing its segment
+        def load_state_dict(self, state):
+            start = time.monotonic()  # CLOCK_MONOTONIC: one clock for both processes
+            time.sleep(0.5 if dist.get_rank() == 0 else 0)
+            out = {"start": start, "end": time.monotonic(), "state": state}
+            json.dump(out, open(f"{sys.argv[1]}/{dist.get_rank()}.json", "w"))
+
+    dist.init_process_group("gloo")
+    load_loader_state(Loader(), {"epoch": 3, "sample_in_epoch": 40})
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_a_resume_loads_the_loader_state_on_the_local_leader_before_the_other_ranks(tmp_path):
+    """Two ranks each creating or attaching streaming's `{prefix}_resume` segment at once: the one that
+    attached between the other's create and its sizing failed ("cannot mmap an empty file", a resume
+    under load in the suite). megabam's resume (megabam/data/loader.py) lets the node's leader finish
+    first; every rank still loads the same state."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(_RESUME_SCRIPT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(probe),
+        str(tmp_path),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    leader, other = (json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1))
+    assert other["start"] >= leader["end"]
+    assert leader["state"] == other["state"] == {"epoch": 3, "sample_in_epoch": 40}
