@@ -53,13 +53,17 @@ def passkey_accuracy(
 @dataclass
 class PasskeyGrid:
     """Scores per (length, depth) cell: `retrieved` prompts of `trials` with every key token right,
-    and `key_tokens` the share of key tokens right (partial copying shows here first)."""
+    and `key_tokens` the share of key tokens right (partial copying shows here first); per length,
+    `by_position` the share right of the key's first, second, ... token over every depth (which part
+    of the copy fails as prompts grow: finding the needle loses the first token, a copy that blurs
+    loses the later ones)."""
 
     lengths: list[int]
     depths: list[float]
     trials: int
     retrieved: list[list[int]]  # [length][depth]
     key_tokens: list[list[float]]
+    by_position: list[list[float]]  # [length][key token]
 
     def accuracy(self) -> list[list[float]]:
         return [[r / self.trials for r in row] for row in self.retrieved]
@@ -69,7 +73,9 @@ class PasskeyGrid:
 
     def table(self) -> list[str]:
         key_tokens = [f"{sum(row) / len(row):.2f}" for row in self.key_tokens]
-        return grid_table(self.lengths, self.depths, self.accuracy(), ("key tokens", key_tokens))
+        grid = grid_table(self.lengths, self.depths, self.accuracy(), ("key tokens", key_tokens))
+        positions = [f"{n:>8} | " + " ".join(f"{v:.2f}" for v in row) for n, row in zip(self.lengths, self.by_position)]
+        return [*grid, "", "share right by key token (first to last), every depth:", *positions]
 
     def to_json(self) -> dict:
         return {
@@ -79,6 +85,7 @@ class PasskeyGrid:
             "retrieved": self.retrieved,
             "accuracy": self.accuracy(),
             "key_token_accuracy": self.key_tokens,
+            "key_token_accuracy_by_position": self.by_position,
             "accuracy_by_length": {str(n): a for n, a in self.by_length().items()},
         }
 
@@ -96,9 +103,9 @@ def passkey_grid(
     """`trials` prompts, each with its own random key, in every (length, depth) cell; `progress` counts
     the prompts' tokens (a 16k prompt costs 16 of 1k) and gets a line per finished length."""
     rng = random.Random(seed)
-    retrieved, key_tokens = [], []
+    retrieved, key_tokens, by_position = [], [], []
     for n in lengths:
-        row_hits, row_tokens = [], []
+        row_hits, row_tokens, prompts = [], [], []
         for depth in depths:
             right = []
             for _ in range(trials):
@@ -107,11 +114,20 @@ def passkey_grid(
                     progress.advance(n)
             row_hits.append(sum(all(r) for r in right))
             row_tokens.append(sum(sum(r) for r in right) / sum(len(r) for r in right))
+            prompts += right
         retrieved.append(row_hits)
         key_tokens.append(row_tokens)
+        by_position.append(share_by_position(prompts))
         if progress:
             progress.note(f"passkey @ {n}: {sum(row_hits)}/{trials * len(depths)} retrieved")
-    return PasskeyGrid(lengths, depths, trials, retrieved, key_tokens)
+    return PasskeyGrid(lengths, depths, trials, retrieved, key_tokens, by_position)
+
+
+def share_by_position(prompts: list[list[bool]]) -> list[float]:
+    """The share of prompts with their key's i-th token right, for each i; a tokenizer may split keys
+    into different numbers of tokens, so position i counts only the keys that have an i-th token."""
+    longest = max(map(len, prompts))
+    return [sum(p[i] for p in prompts if len(p) > i) / sum(len(p) > i for p in prompts) for i in range(longest)]
 
 
 def grid_table(

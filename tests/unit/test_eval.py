@@ -21,7 +21,7 @@ from megabam.data.passkey import ANSWER, NEEDLE, passkey_sample
 from megabam.data.tokenizer import train_tokenizer
 from megabam.eval.generate import generate_greedy, predict_next, token_losses
 from megabam.eval.niah import niah_grid
-from megabam.eval.passkey import passkey_grid
+from megabam.eval.passkey import passkey_grid, share_by_position
 from megabam.eval.perplexity import perplexity_report, plain_losses, sliding_window_loss, tokens_run, windows
 from megabam.model import Decoder
 
@@ -172,8 +172,20 @@ def test_passkey_grid_scores_full_partial_and_no_retrieval(tokenizer):
     )
     assert partial.accuracy() == [[0.0] * 3] * 2
     assert all(0.5 < t < 1.0 for row in partial.key_tokens for t in row)  # every digit but the last right
+    # Every key token is right but the last: by position, 1.0 up to the key's last token, then 0.
+    key_length = len(tokenizer.encode(" 12345"))
+    assert partial.by_position == [[1.0] * (key_length - 1) + [0.0]] * 2
+    assert full.by_position == [[1.0] * key_length] * 2
+    assert "share right by key token (first to last), every depth:" in partial.table()
     data = json.loads(json.dumps(full.to_json()))
     assert data["accuracy_by_length"] == {"300": 1.0, "600": 1.0} and data["trials"] == 2
+    assert data["key_token_accuracy_by_position"] == [[1.0] * key_length] * 2
+
+
+def test_share_by_position_counts_only_keys_that_reach_the_position():
+    # Keys split into 3 and 2 tokens: position 3 exists only in the first prompt.
+    prompts = [[True, False, True], [True, True], [False, True, False]]
+    assert share_by_position(prompts) == [2 / 3, 2 / 3, 1 / 2]
 
 
 def png_ok(path) -> bool:
