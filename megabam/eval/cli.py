@@ -1,7 +1,7 @@
-"""`megabam eval passkey|niah|ppl RUN|CKPT` and `megabam plot priors|attention|training`.
+"""`megabam eval passkey|niah|ppl|copying RUN|CKPT` and `megabam plot priors|attention|training`.
 
 Evaluation runs a trained model in one process. Each eval command prints a table and writes JSON and
-a figure (PNG, or --format pdf|svg) into --out (default RUN/eval), named after the checkpoint's step;
+(but copying) a figure (PNG, or --format pdf|svg) into --out (default RUN/eval), named after the checkpoint's step;
 plots go to RUN/plots. Files are written through temporary names (an interrupted command leaves no
 half file).
 """
@@ -54,6 +54,19 @@ def add_eval_parser(sub) -> None:
     nh.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.5, 1.0], help="needle depths in [0, 1]")
     nh.add_argument("--trials", type=int, default=2, help="prompts per cell (default 2)")
     nh.add_argument("--essay", help="haystack text of the essay variants (default: the Python documentation's prose)")
+
+    cp = tasks.add_parser(
+        "copying", help="per layer and head, the attention each puts on the passkey's tokens as it copies them"
+    )
+    cp.add_argument("source", nargs="?", help="run directory, checkpoint directory or consolidated folder")
+    cp.add_argument("--hf", metavar="DIR", help="a megabam Hugging Face export (megabam convert to-hf) instead")
+    cp.add_argument("--out", help="directory for the JSON (default: RUN/eval)")
+    cp.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    cp.add_argument("--seed", type=int, default=0, help="seed of the keys (default 0)")
+    cp.add_argument("--lengths", type=int, nargs="+", help="tokens per prompt (default: 1×, 4× data.seq_len)")
+    cp.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
+    cp.add_argument("--keys", type=int, default=3, help="prompts (random keys) averaged per length (default 3)")
+    cp.set_defaults(chunk=1, format=None)  # no prefill chunks (the whole map is read), no figure
 
     pp = tasks.add_parser("ppl", help="perplexity of a text file or MDS dataset, plain and sliding-window")
     common(pp, seeded=None)  # nothing drawn: the input is scored as it is
@@ -428,5 +441,36 @@ def _ppl(args) -> list[str]:
     return [f"perplexity, {trained.checkpoint}", *report.table(), "", str(json_path), str(figure)]
 
 
-TASKS = {"passkey": _passkey, "niah": _niah, "ppl": _ppl}
+def _copying(args) -> list[str]:
+    from megabam.eval.copying import copy_mass, copy_table, copying_keys
+
+    _require(args.keys >= 1, f"--keys must be at least 1, got {args.keys}")
+    _require(0.0 <= args.depth <= 1.0, f"--depth must lie in [0, 1], got {args.depth}")
+    trained, out, tag = _load(args)
+    seq_len = trained.config.data.seq_len
+    lengths = args.lengths or [seq_len, 4 * seq_len]
+    # The maps are whole (heads × n × n per layer): far below MAX_TOKENS, 32k tokens is 4 GiB per head.
+    _require(
+        all(1 <= n <= MAX_MAP_TOKENS for n in lengths), f"--lengths must lie in 1..{MAX_MAP_TOKENS:,}, got {lengths}"
+    )
+    keys = copying_keys(args.keys, args.seed)
+    masses = {n: copy_mass(trained, n, args.depth, keys) for n in lengths}
+    data = {
+        "checkpoint": str(trained.checkpoint),
+        "step": trained.meta.step,
+        "train_length": seq_len,
+        "depth": args.depth,
+        "keys": keys,
+        "copy_mass": {str(n): {str(layer): m.tolist() for layer, m in by.items()} for n, by in masses.items()},
+    }
+    return [
+        f"attention on the key token being copied, needle at {args.depth:.0%}, {len(keys)} keys, {trained.checkpoint}",
+        *copy_table(masses),
+        "",
+        str(write_json(out / f"copying-{tag}.json", data)),
+    ]
+
+
+MAX_MAP_TOKENS = 16384
+TASKS = {"passkey": _passkey, "niah": _niah, "ppl": _ppl, "copying": _copying}
 PLOTS = {"priors": _plot_priors, "attention": _plot_attention, "training": _plot_training}

@@ -6,6 +6,7 @@ import json
 import math
 import random
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from megabam.data.corpus import python_stdlib_documents
 from megabam.data.niah import VARIANTS, niah_sample, string_match_all
 from megabam.data.passkey import ANSWER, NEEDLE, passkey_sample
 from megabam.data.tokenizer import train_tokenizer
+from megabam.eval.copying import copy_mass
 from megabam.eval.generate import generate_greedy, predict_next, token_losses
 from megabam.eval.niah import niah_grid
 from megabam.eval.passkey import passkey_grid, share_by_position
@@ -188,13 +190,36 @@ def test_share_by_position_counts_only_keys_that_reach_the_position():
     assert share_by_position(prompts) == [2 / 3, 2 / 3, 1 / 2]
 
 
+def test_copy_mass_is_the_attention_on_the_needle_token_being_copied(tokenizer, monkeypatch):
+    """Synthetic maps whose heads attend, from each answer query, to a chosen place, the induction
+    target found by content (the prompt token equal to the next answer token and preceded by the
+    current one): head 0 there (split over the needle's two copies), head 1 on the query itself, head
+    2 on the needle's copy of the current token (the copy one step behind)."""
+    key = "71432"  # distinct digits: each (current, next) pair of the key is in the needle twice
+
+    def maps(trained, ids):
+        n, answer = len(ids), len(tokenizer.encode(f" {key}"))
+        probs = torch.zeros(3, n, n)
+        for q in range(n - answer, n - 1):
+            targets = [k for k in range(1, n - answer) if ids[k] == ids[q + 1] and ids[k - 1] == ids[q]]
+            assert len(targets) == 2
+            probs[0, q, targets] = 0.5
+            probs[1, q, q] = 1.0
+            probs[2, q, [t - 1 for t in targets]] = 0.5
+        return {0: probs, 2: probs}  # layer 1 without attention (an mLSTM), as attention_maps leaves it out
+
+    monkeypatch.setattr("megabam.eval.copying.attention_maps", maps)
+    mass = copy_mass(SimpleNamespace(tokenizer=tokenizer), 300, 0.4, [key, key])
+    assert list(mass) == [0, 2] and all(m.tolist() == [1.0, 0.0, 0.0] for m in mass.values())
+
+
 def png_ok(path) -> bool:
     data = path.read_bytes()
     return data.startswith(PNG) and len(data) > 1000
 
 
 def test_eval_and_plot_commands_on_a_checkpoint(tmp_path, capsys):
-    run, _ = write_run(tmp_path / "run", "model.attention.bam.init=spread")
+    run, model = write_run(tmp_path / "run", "model.attention.bam.init=spread")
     text = tmp_path / "text.txt"
     text.write_text(" ".join(python_stdlib_documents(40_000))[:30_000])
     rows = [
@@ -215,6 +240,13 @@ def test_eval_and_plot_commands_on_a_checkpoint(tmp_path, capsys):
         ","
     ) == 3
     assert all(png_ok(run / "eval" / f"niah-{v}-step_00000010.png") for v in ("single_2", "multiquery"))
+
+    assert main(["eval", "copying", str(run), "--lengths", "300", "--keys", "2"]) == 0
+    copying = json.loads((run / "eval" / "copying-step_00000010.json").read_text())
+    layers = copying["copy_mass"]["300"]
+    assert len(copying["keys"]) == 2 and list(layers) == [str(i) for i in range(len(model.blocks))]
+    assert all(len(m) == model.cfg.n_heads for m in layers.values())
+    assert all(0.0 <= v <= 1.0 for m in layers.values() for v in m)  # a share of one row, summed over the two copies
 
     assert main(["eval", "ppl", str(run), "--text", str(text), "--length", "256", "--max-tokens", "1024"]) == 0
     ppl = json.loads((run / "eval" / "ppl-step_00000010.json").read_text())
@@ -277,6 +309,8 @@ def test_eval_reads_the_newest_checkpoint_that_verifies(tmp_path, capsys):
         (["plot", "priors", "{run}", "--out", "{tmp}/x.png", "--format", "pdf"], "does not end in .pdf (--format pdf)"),
         (["plot", "training", "{run}", "--format", "jpg"], "--format: 'jpg' is not one of png, pdf, svg"),
         (["eval", "passkey", "{run}", "--format", "eps"], "--format: 'eps' is not one of png, pdf, svg"),
+        (["eval", "copying", "{run}", "--lengths", "20000"], "--lengths must lie in 1..16,384"),
+        (["eval", "copying", "{run}", "--keys", "0"], "--keys must be at least 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message, shared_run):
