@@ -461,6 +461,7 @@ def _copying(args) -> list[str]:
         "train_length": seq_len,
         "depth": args.depth,
         "keys": keys,
+        # [head][key token after the first] per layer; the printed table is each head's mean over tokens
         "copy_mass": {str(n): {str(layer): m.tolist() for layer, m in by.items()} for n, by in masses.items()},
     }
     return [

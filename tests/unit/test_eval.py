@@ -20,7 +20,7 @@ from megabam.data.corpus import python_stdlib_documents
 from megabam.data.niah import VARIANTS, niah_sample, string_match_all
 from megabam.data.passkey import ANSWER, NEEDLE, passkey_sample
 from megabam.data.tokenizer import train_tokenizer
-from megabam.eval.copying import copy_mass
+from megabam.eval.copying import copy_mass, copy_table
 from megabam.eval.generate import generate_greedy, predict_next, token_losses
 from megabam.eval.niah import niah_grid
 from megabam.eval.passkey import passkey_grid, share_by_position
@@ -210,7 +210,11 @@ def test_copy_mass_is_the_attention_on_the_needle_token_being_copied(tokenizer, 
 
     monkeypatch.setattr("megabam.eval.copying.attention_maps", maps)
     mass = copy_mass(SimpleNamespace(tokenizer=tokenizer), 300, 0.4, [key, key])
-    assert list(mass) == [0, 2] and all(m.tolist() == [1.0, 0.0, 0.0] for m in mass.values())
+    digits = len(tokenizer.encode(f" {key}")) - 1
+    assert list(mass) == [0, 2]
+    assert all(m.tolist() == [[1.0] * digits, [0.0] * digits, [0.0] * digits] for m in mass.values())
+    per_token = [line.split("by key token: ")[1] for line in copy_table({300: mass}) if "by key token" in line]
+    assert per_token == [" ".join(["1.000"] * digits)] * 2  # head 0 of each layer only: the others copy nothing
 
 
 def png_ok(path) -> bool:
@@ -245,8 +249,9 @@ def test_eval_and_plot_commands_on_a_checkpoint(tmp_path, capsys):
     copying = json.loads((run / "eval" / "copying-step_00000010.json").read_text())
     layers = copying["copy_mass"]["300"]
     assert len(copying["keys"]) == 2 and list(layers) == [str(i) for i in range(len(model.blocks))]
-    assert all(len(m) == model.cfg.n_heads for m in layers.values())
-    assert all(0.0 <= v <= 1.0 for m in layers.values() for v in m)  # a share of one row, summed over the two copies
+    digits = len(copying["keys"][0])  # the tiny tokenizer: one token per digit
+    assert all(len(m) == model.cfg.n_heads and all(len(h) == digits for h in m) for m in layers.values())
+    assert all(0.0 <= v <= 1.0 for m in layers.values() for h in m for v in h)  # one row's share, over both copies
 
     assert main(["eval", "ppl", str(run), "--text", str(text), "--length", "256", "--max-tokens", "1024"]) == 0
     ppl = json.loads((run / "eval" / "ppl-step_00000010.json").read_text())
