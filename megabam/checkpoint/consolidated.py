@@ -1,8 +1,10 @@
-"""`megabam convert consolidate CKPT OUT`: a checkpoint of any layout as one folder of full tensors.
+"""`megabam convert consolidate CKPT OUT`: a checkpoint of any layout as one folder of full tensors;
+`megabam convert average CKPT CKPT... OUT`: the mean of several checkpoints' weights, the same way.
 
 OUT holds the model's weights under the names of the one-process `Decoder` (its state dict) in
 safetensors (sharded with an index past --max-shard-size), the resolved config (config.yaml), the
-tokenizer, the checkpoint's metadata (megabam.json) and consolidated.json (source, dtype, layout).
+tokenizer, the checkpoint's metadata (megabam.json) and consolidated.json (source, dtype, layout;
+the checkpoints averaged).
 Weights only: the optimizer state stays with the checkpoint. The weights are the ones the model
 computes with (a bf16 run's bf16 weights; --dtype fp32 widens them exactly).
 
@@ -38,27 +40,64 @@ def consolidate(
 ) -> list[str]:
     """Write the consolidated folder `out` from checkpoint (or run directory) `source`; returns the
     summary lines. Everything is checked before anything is written."""
+    return average([source], out, dtype, max_shard_bytes, overwrite)
+
+
+def average(
+    sources: list[Path], out: Path, dtype: str = "fp32", max_shard_bytes: int = 5 * 10**9, overwrite: bool = False
+) -> list[str]:
+    """Write the consolidated folder `out` holding the mean of the weights of `sources`, checkpoints
+    (or run directories) of one model, with the config and metadata of the newest; returns the
+    summary lines. Averaging the checkpoints of a run's last steps (Polyak averaging, as Llama 3 does
+    over its annealing) smooths what the last updates did to one checkpoint. The mean is taken in
+    float64, so the order of the sources does not change it. Everything is checked before anything
+    is written."""
     start = time.perf_counter()
-    reader = CheckpointReader(source)
-    check_output(out, overwrite, reader.path)
-    reader.check()
-    tokenizer = reader.tokenizer_path()
-    entries = list(reader.shapes.items())
+    readers = [CheckpointReader(s) for s in sources]
+    seen: dict[Path, Path] = {}
+    for s, reader in zip(sources, readers):
+        path = reader.path.resolve()
+        if path in seen:
+            raise CheckpointError(s, None, f"names the checkpoint {path} that {seen[path]} names too")
+        seen[path] = s
+        check_output(out, overwrite, reader.path)
+        reader.check()
+    newest = max(readers, key=lambda r: r.meta.step)
+    for s, reader in zip(sources, readers):
+        differ = _differences(reader.config.model, newest.config.model)
+        if differ:
+            raise CheckpointError(s, None, f"another model than {newest.path}: {'; '.join(differ)}")
+    tokenizer = newest.tokenizer_path()
+    entries = list(newest.shapes.items())
+    if len(readers) == 1:
+        fetch = newest.tensor  # as stored: --dtype fp32 widens it exactly
+    else:
+
+        def fetch(name: str) -> torch.Tensor:
+            return sum(r.tensor(name).double() for r in readers) / len(readers)
+
     with staged_folder(out, replace=overwrite) as tmp:
-        files = write_model(tmp, entries, DTYPES[dtype], reader.tensor, max_shard_bytes, desc="consolidate")
-        save_config(reader.config, tmp / "config.yaml")
+        desc = "consolidate" if len(readers) == 1 else "average"
+        files = write_model(tmp, entries, DTYPES[dtype], fetch, max_shard_bytes, desc=desc)
+        save_config(newest.config, tmp / "config.yaml")
         copy_tokenizer(load_tokenizer(tokenizer), tmp)
-        (tmp / META_FILE).write_text(reader.meta.to_json())
-        layout = {"tensor": reader.tp, "pipeline": reader.pp}
-        marker = {"format": FORMAT, "version": 1, "source": str(reader.path), "step": reader.meta.step}
+        (tmp / META_FILE).write_text(newest.meta.to_json())
+        layout = {"tensor": newest.tp, "pipeline": newest.pp}
+        marker = {"format": FORMAT, "version": 1, "source": str(newest.path), "step": newest.meta.step}
+        if len(readers) > 1:
+            marker["averaged"] = [{"source": str(r.path), "step": r.meta.step} for r in readers]
         marker |= {"dtype": dtype, "trained_layout": layout, "weights": files}
         (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     params = sum(torch.Size(shape).numel() for _, shape in entries)
-    return [
-        f"consolidated {reader.path} (step {reader.meta.step}, tensor {reader.tp} × pipeline {reader.pp})",
-        f"into {out}: {len(entries)} tensors, {params:,} parameters, {dtype}, {len(files)} file(s) "
-        f"in {time.perf_counter() - start:.1f} s",
-    ]
+    seconds = f"{time.perf_counter() - start:.1f} s"
+    summary = f"{len(entries)} tensors, {params:,} parameters, {dtype}, {len(files)} file(s) in {seconds}"
+    if len(readers) == 1:
+        return [
+            f"consolidated {newest.path} (step {newest.meta.step}, tensor {newest.tp} × pipeline {newest.pp})",
+            f"into {out}: {summary}",
+        ]
+    steps = ", ".join(str(r.meta.step) for r in readers)
+    return [f"averaged {len(readers)} checkpoints (steps {steps}) of {newest.run_dir}", f"into {out}: {summary}"]
 
 
 def is_consolidated(path: Path) -> bool:

@@ -467,6 +467,11 @@ class DataConfig:
         "Shortest passkey document: each passkey sample then holds several, of random lengths from this to "
         "data.seq_len (more retrievals per token, at every distance); null = one document per sample.",
     )
+    passkey_filler: Literal["fixed", "varied"] = doc(
+        "fixed",
+        "Filler of the training passkey documents: fixed = the evaluation's five sentences; varied = one to "
+        "five of them in random order per document (each filler token recurs more often, as in long prompts).",
+    )
     val_fraction: float = doc(0.02, "Share of samples held out for validation.")
     cache_dir: str | None = doc(None, "Where built datasets are cached; null = $MEGABAM_CACHE or ~/.cache/megabam.")
     num_workers: int = doc(0, "DataLoader worker processes.")

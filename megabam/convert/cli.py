@@ -1,5 +1,6 @@
-"""`megabam convert inspect|consolidate|reshard|to-hf|from-hf`: read a checkpoint of any layout, write
-it as full tensors, at another layout, or as a folder that transformers loads, and bring such a folder back.
+"""`megabam convert inspect|consolidate|average|reshard|to-hf|from-hf`: read a checkpoint of any layout,
+write it as full tensors (or the mean of several), at another layout, or as a folder that transformers
+loads, and bring such a folder back.
 
 Bad input (a path, a checkpoint that does not verify or does not fit its config, an output that
 exists) is one line on stderr and exit 2, before anything is written; the input is never modified.
@@ -24,6 +25,14 @@ def add_convert_parser(sub) -> None:
         "--max-shard-size), config.yaml, tokenizer.model, megabam.json and consolidated.json. Weights only.",
     )
     _writer_arguments(co)
+    av = tasks.add_parser(
+        "average",
+        help="the mean of the weights of checkpoints of one model, as a consolidated folder",
+        description="Write OUT as consolidate does, holding the mean of the sources' weights (a run's last "
+        "checkpoints: Polyak averaging) with the config and metadata of the newest. The sources may differ "
+        "in layout, not in model.",
+    )
+    _writer_arguments(av, several=True)
     hf = tasks.add_parser(
         "to-hf",
         help="a folder transformers loads (AutoModelForCausalLM, trust_remote_code) with only torch installed",
@@ -58,9 +67,13 @@ def add_convert_parser(sub) -> None:
     fh.add_argument("--overwrite", action="store_true", help="replace OUT once the new folder is complete")
 
 
-def _writer_arguments(p) -> None:
-    """What consolidate and to-hf both take: the checkpoint, the output and how the weights are written."""
-    p.add_argument("source", help="checkpoint directory, or run directory (its newest verified checkpoint)")
+def _writer_arguments(p, several: bool = False) -> None:
+    """What consolidate, average and to-hf take: the checkpoint(s), the output and how the weights are written."""
+    checkpoint = "checkpoint directory, or run directory (its newest verified checkpoint)"
+    if several:
+        p.add_argument("sources", nargs="+", metavar="source", help=f"two or more: {checkpoint}")
+    else:
+        p.add_argument("source", help=checkpoint)
     p.add_argument("out", help="output folder (must not exist, unless --overwrite)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the weights written")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
@@ -72,6 +85,7 @@ def run_convert(args) -> int:
     lines = {
         "inspect": _inspect,
         "consolidate": _consolidate,
+        "average": _average,
         "reshard": _reshard,
         "to-hf": _to_hf,
         "from-hf": _from_hf,
@@ -101,6 +115,15 @@ def _consolidate(args) -> list[str]:
     from megabam.checkpoint.consolidated import consolidate
 
     return consolidate(Path(args.source), Path(args.out), args.dtype, _max_bytes(args), args.overwrite)
+
+
+def _average(args) -> list[str]:
+    from megabam.checkpoint.consolidated import average
+    from megabam.errors import BadArgument
+
+    if len(args.sources) < 2:
+        raise BadArgument(None, "source", f"average needs two or more checkpoints, got {len(args.sources)}")
+    return average([Path(s) for s in args.sources], Path(args.out), args.dtype, _max_bytes(args), args.overwrite)
 
 
 def _reshard(args) -> list[str]:

@@ -50,6 +50,7 @@ def build_default_dataset(
     val_fraction: float,
     seed: int,
     passkey_min_tokens: int | None = None,
+    passkey_filler: str = "fixed",
 ) -> DefaultDataset:
     """Build (or reuse from ``cache_root``) the default dataset.
 
@@ -58,31 +59,30 @@ def build_default_dataset(
     loses the rename uses the winner's copy. Passkey documents are never split across samples (needle
     and question are always seen together): each fills one whole sample with its eos, or, with
     ``passkey_min_tokens``, a sample holds several of random lengths (`passkey_samples`). Passkey
-    samples make up about ``passkey_fraction`` of the samples. Samples are split by ``val_fraction``
-    (at least one validation sample).
+    samples make up about ``passkey_fraction`` of the samples; ``passkey_filler="varied"`` draws each
+    passkey document's filler from the filler's sentences (`varied_filler`). Samples are split by
+    ``val_fraction`` (at least one validation sample).
     """
     if not 0.0 <= passkey_fraction < 1.0:
         raise ValueError(f"passkey_fraction must lie in [0, 1), got {passkey_fraction}")
-    args = dict(
+    build = dict(
         sample_len=sample_len,
         vocab_size=vocab_size,
         corpus_bytes=corpus_bytes,
         passkey_fraction=passkey_fraction,
         passkey_min_tokens=passkey_min_tokens,
+        passkey_filler=passkey_filler,
         val_fraction=val_fraction,
         seed=seed,
-        python=sys.version,
-        recipe=_RECIPE_VERSION,
     )
+    args = build | dict(python=sys.version, recipe=_RECIPE_VERSION)
     digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:16]
     final = Path(cache_root) / f"default-{digest}"
     if not final.exists():
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = staged_name(final)
         try:
-            write_default_dataset(
-                tmp, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed, passkey_min_tokens
-            )
+            write_default_dataset(tmp, **build)
             os.rename(tmp, final)
         except OSError:
             if not final.exists():  # a failure of our own, not a lost race
@@ -93,7 +93,15 @@ def build_default_dataset(
 
 
 def write_default_dataset(
-    out, sample_len, vocab_size, corpus_bytes, passkey_fraction, val_fraction, seed, passkey_min_tokens=None
+    out,
+    sample_len,
+    vocab_size,
+    corpus_bytes,
+    passkey_fraction,
+    val_fraction,
+    seed,
+    passkey_min_tokens=None,
+    passkey_filler="fixed",
 ):
     """Train the tokenizer and write the train/val shards of the default dataset into `out` (created here)."""
     start = time.perf_counter()
@@ -115,7 +123,8 @@ def write_default_dataset(
     samples = list(pack_documents(docs, sample_len, tokenizer.eos_id))
     rng = random.Random(seed)
     n_passkey = round(passkey_fraction * len(samples) / (1.0 - passkey_fraction))
-    samples += [passkey_samples(tokenizer, sample_len, passkey_min_tokens, rng) for _ in range(n_passkey)]
+    vary = passkey_filler == "varied"
+    samples += [passkey_samples(tokenizer, sample_len, passkey_min_tokens, rng, vary) for _ in range(n_passkey)]
     rng.shuffle(samples)
     progress(f"{n_passkey} passkey samples")
 
@@ -129,7 +138,9 @@ def write_default_dataset(
     progress(f"{n_train} train and {n_val} val samples of {sample_len} tokens written")
 
 
-def passkey_samples(tokenizer, sample_len: int, min_tokens: int | None, rng: random.Random) -> PackedSample:
+def passkey_samples(
+    tokenizer, sample_len: int, min_tokens: int | None, rng: random.Random, vary_filler: bool = False
+) -> PackedSample:
     """One sample of whole passkey documents, each with its eos: one filling it (min_tokens None), or
     several, each min_tokens..sample_len - 1 tokens long but the last, which takes the rest."""
     tokens: list[int] = []
@@ -140,6 +151,6 @@ def passkey_samples(tokenizer, sample_len: int, min_tokens: int | None, rng: ran
         if room - n < (min_tokens or 0) + 1:  # no room left for another document: this one takes it all
             n = room
         starts.append(len(tokens))
-        tokens += passkey_training_tokens(tokenizer, n - 1, rng) + [tokenizer.eos_id]
+        tokens += passkey_training_tokens(tokenizer, n - 1, rng, vary_filler) + [tokenizer.eos_id]
         room -= n
     return PackedSample(np.array(tokens, dtype=np.int32), np.array(starts, dtype=np.int32))

@@ -115,6 +115,7 @@ def build_training_data(cfg: Config, rank: int) -> TrainingData:
                 corpus_bytes=cfg.data.corpus_bytes,
                 passkey_fraction=cfg.data.passkey_fraction,
                 passkey_min_tokens=cfg.data.passkey_min_tokens,
+                passkey_filler=cfg.data.passkey_filler,
                 val_fraction=cfg.data.val_fraction,
                 seed=cfg.run.seed,
             )

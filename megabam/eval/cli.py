@@ -118,6 +118,13 @@ def add_repro_parser(sub) -> None:
         default=4,
         help="prompts per (length, depth) cell (default 4: 20 prompts per length, each with its own key)",
     )
+    rp.add_argument(
+        "--average",
+        type=int,
+        default=1,
+        help="score the mean of each run's last K checkpoints (megabam convert average; default 1: the final "
+        "checkpoint alone)",
+    )
     # Their defaults live in megabam/eval/mqar.py (MIXERS, Setting), imported only when mqar runs:
     # it imports torch, which the parser of every command would otherwise pay for (~1 s).
     mq = rp.add_argument_group("mqar only (defaults: megabam/eval/mqar.py)")
@@ -158,16 +165,29 @@ def _repro(args) -> list[str]:
     _require(args.trials >= 1, f"--trials must be at least 1, got {args.trials}")
     _require(all(0.0 <= d <= 1.0 for d in args.depths), f"--depths must lie in [0, 1], got {args.depths}")
     _require(args.steps is None or args.steps >= 1, f"--steps must be at least 1, got {args.steps}")
+    _require(args.average >= 1, f"--average must be at least 1, got {args.average}")
     try:  # every arm's config checked before the first run starts
         default_steps = [f"train.steps={study.steps}"] if study.steps else []
         configs = [load_config(REPO / study.config, [*default_steps, *study.arms[a], *args.overrides]) for a in arms]
     except ConfigError as e:
         raise BadArgument(e.source, e.key, e.message) from None
     steps = args.steps or configs[0].train.steps
+    kept = min(c.checkpoint.keep for c in configs)
+    _require(args.average <= kept, f"--average {args.average}: the runs keep {kept} checkpoints (checkpoint.keep)")
     out = Path(args.out) if args.out else Path("runs") / f"repro-{args.study}"
     lengths = sorted(set(args.lengths))
     return reproduce(
-        args.study, out, arms, args.seeds, lengths, args.depths, args.trials, args.overrides, steps, say=_say
+        args.study,
+        out,
+        arms,
+        args.seeds,
+        lengths,
+        args.depths,
+        args.trials,
+        args.overrides,
+        steps,
+        say=_say,
+        average=args.average,
     )
 
 
@@ -184,6 +204,7 @@ def _mqar(args) -> list[str]:
     _require(not unknown, f"--mixers: unknown mixer(s) {', '.join(unknown)} (known: {', '.join(MIXERS)})")
     _require(len(set(args.seeds)) == len(args.seeds), f"--seeds must be distinct, got {args.seeds}")
     _require(args.steps is None or args.steps >= 1, f"--steps must be at least 1, got {args.steps}")
+    _require(args.average >= 1, f"--average must be at least 1, got {args.average}")
     _require(all(w >= 32 and w % 32 == 0 for w in args.widths), f"--widths must be multiples of 32, got {args.widths}")
     _require(args.lr is None or args.lr > 0, f"--lr must be positive, got {args.lr}")
     _require(args.batch is None or args.batch >= 1, f"--batch must be at least 1, got {args.batch}")

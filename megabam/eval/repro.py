@@ -137,30 +137,51 @@ def last_step(metrics: Path) -> int:
     return 0
 
 
-def evaluation(multiples: list[int], depths: list[float], trials: int) -> dict:
+def evaluation(multiples: list[int], depths: list[float], trials: int, average: int = 1) -> dict:
     """The settings a run's cached result (eval/repro.json) was scored with: a rerun asking for
-    other lengths, depths or trials evaluates the run again instead of reusing it."""
-    return {"lengths": list(multiples), "depths": list(depths), "trials": trials}
+    other lengths, depths, trials or checkpoints averaged evaluates the run again instead of reusing
+    it. The final checkpoint alone (average 1) is recorded as results were before averaging existed."""
+    settings = {"lengths": list(multiples), "depths": list(depths), "trials": trials}
+    return settings | ({"average": average} if average > 1 else {})
 
 
-def reusable(result: dict | None, study: Study, multiples: list[int], depths: list[float], trials: int) -> bool:
+def reusable(
+    result: dict | None, study: Study, multiples: list[int], depths: list[float], trials: int, average: int = 1
+) -> bool:
     """Whether a run's cached result answers this evaluation: scored with the same settings, and
     holding the per-depth counts where the study's table needs them (results from before they were
     kept are scored again)."""
-    if result is None or result.get("evaluation") != evaluation(multiples, depths, trials):
+    if result is None or result.get("evaluation") != evaluation(multiples, depths, trials, average):
         return False
     return not study.past_window or "passkey_by_depth" in result
 
 
-def evaluate_run(run_dir: Path, multiples: list[int], depths: list[float], trials: int, niah: bool) -> dict:
-    """Passkey (and NIAH single_1) scores at each multiple of the training length, the validation loss."""
+def averaged_model(run_dir: Path, average: int) -> Path:
+    """RUN/average-K: the mean of the run's last `average` checkpoints (`megabam convert average`),
+    written afresh each time the run is scored."""
+    from megabam.checkpoint.consolidated import average as write_average
+    from megabam.checkpoint.store import checkpoint_root, list_tags
+
+    tags = list_tags(run_dir)[:average]
+    if len(tags) < average:
+        raise ArmFailed(f"{run_dir} keeps {len(tags)} checkpoint(s), fewer than --average {average}")
+    folder = run_dir / f"average-{average}"
+    write_average([checkpoint_root(run_dir) / tag for tag in tags], folder, overwrite=True)
+    return folder
+
+
+def evaluate_run(
+    run_dir: Path, multiples: list[int], depths: list[float], trials: int, niah: bool, average: int = 1
+) -> dict:
+    """Passkey (and NIAH single_1) scores at each multiple of the training length, the validation loss,
+    of the final checkpoint or (average > 1) of the mean of the last `average` checkpoints."""
     from megabam.eval.generate import predict_next
     from megabam.eval.niah import niah_grid
     from megabam.eval.passkey import passkey_grid
     from megabam.eval.plots import read_metrics
     from megabam.eval.trained import load_trained
 
-    trained = load_trained(run_dir)
+    trained = load_trained(run_dir if average == 1 else averaged_model(run_dir, average))
     n = trained.config.data.seq_len
     lengths = [m * n for m in multiples]
     tasks = 2 if niah else 1
@@ -169,7 +190,7 @@ def evaluate_run(run_dir: Path, multiples: list[int], depths: list[float], trial
         lambda ids: predict_next(trained.model, ids), trained.tokenizer, lengths, depths, trials, 0, "cpu", progress
     )
     result = {
-        "evaluation": evaluation(multiples, depths, trials),
+        "evaluation": evaluation(multiples, depths, trials, average),
         "step": trained.meta.step,
         "train_length": n,
         "passkey": {str(m): grid.by_length()[length] for m, length in zip(multiples, lengths)},
@@ -277,6 +298,7 @@ def reproduce(
     overrides: list[str],
     steps: int,
     say=print,
+    average: int = 1,
 ) -> list[str]:
     from megabam.eval.plots import plot_training
 
@@ -290,13 +312,13 @@ def reproduce(
         cached = run_dir / "eval" / "repro.json"
         start = time.perf_counter()
         result = json.loads(cached.read_text()) if cached.is_file() else None
-        if reusable(result, study, multiples, depths, trials):
+        if reusable(result, study, multiples, depths, trials, average):
             what = "done before"
         else:
             trained_before = trained_to_the_end(run_dir, steps)
             if not trained_before:
                 train_run(study, arm, seed, out, [*overrides, f"train.steps={steps}"], log, steps)
-            result = evaluate_run(run_dir, multiples, depths, trials, study.niah)
+            result = evaluate_run(run_dir, multiples, depths, trials, study.niah, average)
             write_json(cached, result)  # a kill mid-write leaves no torn result
             what = "evaluated" if trained_before else "trained and evaluated"
             if name == "bam" and (run_dir / "metrics.jsonl").is_file():
@@ -305,6 +327,8 @@ def reproduce(
         scores = " ".join(f"{m}×:{result['passkey'][str(m)]:.2f}" for m in multiples)
         say(f"[{i}/{len(todo)}] {arm} seed {seed}: {what} in {time.perf_counter() - start:.0f} s | passkey {scores}")
     table = summarise(results, multiples, study.niah, study.past_window)
+    if average > 1:
+        table += ["", f"Each run scored as the mean of its last {average} checkpoints (megabam convert average)."]
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "results.md").write_text("\n".join(table) + "\n")
     figure = draw(results, multiples, f"megabam repro {name}: passkey retrieval by length", out / f"{name}.png")

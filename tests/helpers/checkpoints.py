@@ -24,9 +24,12 @@ TINY = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=2", "model.n
 TINY += ["data.passkey_min_tokens=null"]  # the main job's shortest passkey document does not fit in 64
 
 
-def write_run(root: Path, *overrides: str, step: int = 10, tokenizer_from: Path | None = None) -> tuple[Path, Decoder]:
-    """`root` as a run directory holding a freshly initialised model of tiny_cpu.yaml + TINY + overrides
-    as its checkpoint at `step`; returns the run directory and the model written."""
+def write_run(
+    root: Path, *overrides: str, step: int = 10, tokenizer_from: Path | None = None, seed: int = 0
+) -> tuple[Path, Decoder]:
+    """`root` as a run directory holding a freshly initialised model (from `seed`) of tiny_cpu.yaml +
+    TINY + overrides as its checkpoint at `step` (beside any it holds); returns the run directory and
+    the model written."""
     cfg = load_config(CONFIG, [*TINY, *overrides])
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = root / "tokenizer.model"
@@ -34,7 +37,7 @@ def write_run(root: Path, *overrides: str, step: int = 10, tokenizer_from: Path 
         tokenizer.write_bytes(tokenizer_from.read_bytes())
     else:
         train_tokenizer(python_stdlib_documents(300_000), tokenizer, vocab_size=cfg.model.vocab_size)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = Decoder(cfg.model)
     ckpt = root / "checkpoints" / tag_for(step)
     ckpt.mkdir(parents=True)

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from megabam.checkpoint.consolidated import load_initial_weights, read_consolidated
 from megabam.checkpoint.reader import CheckpointReader
 from megabam.checkpoint.safetensors_io import INDEX, parse_size
-from megabam.checkpoint.store import CheckpointError, _digest
+from megabam.checkpoint.store import CheckpointError, _digest, tag_for
 from megabam.cli import main
 from megabam.config import ConfigError, load_config
 from megabam.model import Decoder
@@ -115,6 +115,52 @@ def test_bf16_weights_widen_exactly_and_narrow_on_request(tmp_path, tokenizer_ru
             assert f.get_tensor(key).dtype == torch.float32 and torch.equal(f.get_tensor(key), value.float())
         with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as f:
             assert torch.equal(f.get_tensor(key), value)
+
+
+def test_average_is_the_mean_of_checkpoints_of_any_layout(tmp_path, capsys, tokenizer_run):
+    run = tmp_path / "run"
+    models = [
+        write_run(run, *layout, step=step, seed=step, tokenizer_from=tokenizer_run)[1]
+        for step, layout in [(10, ["parallel.tensor=2"]), (20, ["train.precision=bf16"]), (30, [])]
+    ]
+    ckpts = [str(run / "checkpoints" / tag_for(step)) for step in (10, 20, 30)]
+    before = digests(run)
+    out = tmp_path / "out"
+    assert main(["convert", "average", *ckpts, str(out)]) == 0
+    assert digests(run) == before
+    folder = read_consolidated(out)
+    for key, value in folder.model.state_dict().items():
+        a, b, c = (m.state_dict()[key].double() for m in models)
+        assert torch.equal(value, ((a + b + c) / 3).float()), key
+        assert not torch.equal(value, models[2].state_dict()[key]) or torch.equal(a, c), key
+    assert folder.meta.step == 30 and folder.config.train.precision == "fp32"  # the newest's
+    marker = json.loads((out / "consolidated.json").read_text())
+    assert [a["step"] for a in marker["averaged"]] == [10, 20, 30] and marker["step"] == 30
+    other, _ = write_run(tmp_path / "other", "model.n_layers=3", tokenizer_from=tokenizer_run)
+    cases = [
+        ([ckpts[0]], "average needs two or more checkpoints, got 1"),
+        ([ckpts[0], ckpts[2], str(run)], "names the checkpoint"),  # the run directory means its newest: 30
+        ([ckpts[0], str(other)], "another model than"),
+    ]
+    for sources, message in cases:
+        assert main(["convert", "average", *sources, str(tmp_path / "bad")]) == 2, sources
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, (sources, err)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_repro_scores_the_mean_of_a_runs_last_checkpoints(tmp_path, tokenizer_run):
+    from megabam.eval.repro import ArmFailed, averaged_model
+
+    run = tmp_path / "run"
+    models = [write_run(run, step=step, seed=step, tokenizer_from=tokenizer_run)[1] for step in (10, 20, 30)]
+    folder = read_consolidated(averaged_model(run, 2))
+    for key, value in folder.model.state_dict().items():
+        last_two = (models[1].state_dict()[key].double() + models[2].state_dict()[key].double()) / 2
+        assert torch.equal(value, last_two.float()), key
+    assert folder.meta.step == 30
+    with pytest.raises(ArmFailed, match="keeps 3 checkpoint"):
+        averaged_model(run, 4)
 
 
 def test_large_outputs_are_sharded_with_an_index_safetensors_reads(tmp_path, shared_run):

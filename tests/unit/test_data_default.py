@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,15 @@ from megabam.data.corpus import python_stdlib_documents
 from megabam.data.default_dataset import build_default_dataset
 from megabam.data.loader import build_loader
 from megabam.data.packing import doc_ids_from_starts, pack_documents
-from megabam.data.passkey import passkey_sample, passkey_training_tokens, random_key
+from megabam.data.passkey import (
+    FILLER_SENTENCES,
+    INSTRUCTION,
+    NEEDLE,
+    QUESTION,
+    passkey_sample,
+    passkey_training_tokens,
+    random_key,
+)
 from megabam.data.shards import write_mds
 from megabam.data.streaming_import import import_streaming
 from megabam.data.tokenizer import open_tokenizer, train_tokenizer
@@ -141,6 +150,36 @@ def test_passkey_training_tokens(tokenizer):
         assert f"The pass key is {key}. Remember it." in text
 
 
+def filler_sentences(text: str, key: str) -> tuple[list[str], str]:
+    """The whole filler sentences of a decoded training document, in order, and the cut-off rest."""
+    body = text[len(INSTRUCTION) : text.index(QUESTION)].replace(NEEDLE.format(key=key), "", 1)
+    sentences = re.findall(r" [^.]*\.", body)
+    return sentences, body[len("".join(sentences)) :]
+
+
+@pytest.mark.parametrize("vary", [False, True])
+def test_passkey_training_filler(tokenizer, vary):
+    """The evaluation's filler, or (vary) one to five of its sentences in random order, repeated."""
+    rng = random.Random(5)
+    units = []
+    for _ in range(40):
+        text = tokenizer.decode(passkey_training_tokens(tokenizer, 400, rng, vary_filler=vary))
+        key = text.rsplit(" ", 1)[1]
+        assert text.startswith(INSTRUCTION) and text.endswith(f"{QUESTION} {key}")
+        sentences, rest = filler_sentences(text, key)
+        assert set(sentences) <= set(FILLER_SENTENCES)
+        period = next((i for i in range(1, len(sentences)) if sentences[i] == sentences[0]), len(sentences))
+        unit = sentences[:period]
+        assert len(set(unit)) == len(unit) and sentences == [unit[i % period] for i in range(len(sentences))]
+        assert unit[len(sentences) % period].startswith(rest)  # cut short inside the next sentence
+        units.append(tuple(unit))
+    if not vary:
+        assert set(units) == {FILLER_SENTENCES}
+    else:  # every unit size and more than one order
+        assert {len(u) for u in units} == {1, 2, 3, 4, 5}
+        assert len({u for u in units if len(u) == 5}) > 1 or len(set(units)) > 20
+
+
 @pytest.mark.parametrize("min_tokens", [None, 200, 300])
 def test_passkey_samples_hold_whole_documents(tokenizer, min_tokens):
     rng = random.Random(3)
@@ -250,8 +289,8 @@ def test_build_default_dataset_and_cache(tmp_path):
 def test_build_default_dataset_loser_of_race_uses_winner(tmp_path, monkeypatch):
     real_build = default_dataset_module.write_default_dataset
 
-    def build_while_another_wins(out, *args):
-        real_build(out, *args)
+    def build_while_another_wins(out, **args):
+        real_build(out, **args)
         winner = out.parent / out.name.split(".tmp-")[0].lstrip(".")
         winner.mkdir()
         (winner / "marker").write_text("winner")

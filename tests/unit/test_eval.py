@@ -316,6 +316,8 @@ def test_eval_reads_the_newest_checkpoint_that_verifies(tmp_path, capsys):
         (["eval", "passkey", "{run}", "--format", "eps"], "--format: 'eps' is not one of png, pdf, svg"),
         (["eval", "copying", "{run}", "--lengths", "20000"], "--lengths must lie in 1..16,384"),
         (["eval", "copying", "{run}", "--keys", "0"], "--keys must be at least 1"),
+        (["repro", "bam", "--average", "0", "--out", "{tmp}/r"], "--average must be at least 1, got 0"),
+        (["repro", "bam", "--average", "4", "--out", "{tmp}/r"], "the runs keep 3 checkpoints (checkpoint.keep)"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message, shared_run):

@@ -21,7 +21,7 @@ from megabam.cli import main
 def test_steps_per_run(monkeypatch, tmp_path, study, extra, steps):
     seen = {}
 
-    def record(name, out, arms, seeds, multiples, depths, trials, overrides, steps, say):
+    def record(name, out, arms, seeds, multiples, depths, trials, overrides, steps, say, average):
         seen["steps"] = steps
         return []
 
@@ -75,10 +75,10 @@ def test_a_rerun_reuses_trains_or_evaluates_each_run_by_what_is_on_disk(monkeypa
         latest.parent.mkdir(parents=True)
         latest.write_text(f"step_{steps:08d}\n")
 
-    def evaluate_run(run_dir, multiples, depths, trials, niah):
+    def evaluate_run(run_dir, multiples, depths, trials, niah, average):
         scored.append(run_dir.name)
         passkey = {str(m): 1.0 for m in multiples}
-        return {"evaluation": repro.evaluation(multiples, depths, trials), "passkey": passkey, "val_loss": 2.0}
+        return {"evaluation": repro.evaluation(multiples, depths, trials, average), "passkey": passkey, "val_loss": 2.0}
 
     monkeypatch.setattr(repro, "train_run", train_run)
     monkeypatch.setattr(repro, "evaluate_run", evaluate_run)
@@ -86,10 +86,10 @@ def test_a_rerun_reuses_trains_or_evaluates_each_run_by_what_is_on_disk(monkeypa
     said = []
     arms = ["ggd", "alibi", "rope"]
 
-    def run(lengths):
+    def run(lengths, average=1):
         for seen in (trained, scored, said):
             seen.clear()
-        repro.reproduce("bam", tmp_path, arms, [0], lengths, [0.5], 1, [], 3, say=said.append)
+        repro.reproduce("bam", tmp_path, arms, [0], lengths, [0.5], 1, [], 3, say=said.append, average=average)
         return [line.split(":")[1].split(" in ")[0].strip() for line in said]
 
     assert run([1, 2]) == ["trained and evaluated"] * 3 and trained == arms
@@ -101,6 +101,11 @@ def test_a_rerun_reuses_trains_or_evaluates_each_run_by_what_is_on_disk(monkeypa
     assert run([1, 2]) == ["done before", "evaluated", "evaluated"]
     assert trained == [] and scored == ["alibi-seed0", "rope-seed0"]
     assert run([1, 3]) == ["evaluated"] * 3 and trained == []  # other lengths than every cached result
+    assert run([1, 3], average=3) == ["evaluated"] * 3 and trained == []  # the mean of checkpoints instead
+    assert run([1, 3], average=3) == ["done before"] * 3
+    assert "mean of its last 3 checkpoints" in (tmp_path / "results.md").read_text()
+    # Results written before averaging existed scored the final checkpoint: they answer average 1.
+    assert repro.evaluation([1], [0.5], 1, 1) == {"lengths": [1], "depths": [0.5], "trials": 1}
 
 
 def test_swax_tables_score_the_prompts_past_the_window_from_the_per_depth_counts():
