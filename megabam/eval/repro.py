@@ -328,7 +328,11 @@ def reproduce(
         say(f"[{i}/{len(todo)}] {arm} seed {seed}: {what} in {time.perf_counter() - start:.0f} s | passkey {scores}")
     table = summarise(results, multiples, study.niah, study.past_window)
     if average > 1:
-        table += ["", f"Each run scored as the mean of its last {average} checkpoints (megabam convert average)."]
+        table += [
+            "",
+            f"Each run scored as the mean of its last {average} checkpoints (megabam convert average); "
+            "val loss is the final checkpoint's, from training.",
+        ]
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "results.md").write_text("\n".join(table) + "\n")
     figure = draw(results, multiples, f"megabam repro {name}: passkey retrieval by length", out / f"{name}.png")
