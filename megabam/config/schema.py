@@ -472,6 +472,16 @@ class DataConfig:
         "Filler of the training passkey documents: fixed = the evaluation's five sentences; varied = one to "
         "five of them in random order per document (each filler token recurs more often, as in long prompts).",
     )
+    passkey_key_digits: list[int] = doc(
+        [5, 5],
+        "Digits of the training passkey documents' keys, [fewest, most], drawn per document (the evaluation's "
+        "keys have 5); varied lengths leave the model no way to end the answer but copying the needle.",
+    )
+    passkey_answer_end: Literal["eos", "period"] = doc(
+        "eos",
+        "What follows the key in a training passkey document's answer: eos = its eos, right after the last "
+        "digit; period = a period, then the eos, as the needle writes the key ('{key}. Remember it.').",
+    )
     val_fraction: float = doc(0.02, "Share of samples held out for validation.")
     cache_dir: str | None = doc(None, "Where built datasets are cached; null = $MEGABAM_CACHE or ~/.cache/megabam.")
     num_workers: int = doc(0, "DataLoader worker processes.")
@@ -491,6 +501,12 @@ class DataConfig:
                 f"{key}.passkey_min_tokens",
                 f"must lie in 1..data.seq_len={self.seq_len}, got {self.passkey_min_tokens}",
             )
+        digits = self.passkey_key_digits
+        require(
+            len(digits) == 2 and 1 <= digits[0] <= digits[1] <= 18,
+            f"{key}.passkey_key_digits",
+            f"must be [fewest, most] digits within 1..18, got {digits}",
+        )
         require(self.num_workers >= 0, f"{key}.num_workers", f"must be non-negative, got {self.num_workers}")
         if self.source != "mds":
             require(not self.streams, f"{key}.streams", "only used with data.source: mds")

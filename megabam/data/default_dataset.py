@@ -13,14 +13,14 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from megabam.data.corpus import python_stdlib_documents
 from megabam.data.packing import PackedSample, pack_documents
-from megabam.data.passkey import passkey_training_tokens
+from megabam.data.passkey import TrainingPasskeys, passkey_training_tokens
 from megabam.data.shards import write_mds
 from megabam.data.tokenizer import train_tokenizer
 from megabam.staging import staged_name
@@ -50,7 +50,7 @@ def build_default_dataset(
     val_fraction: float,
     seed: int,
     passkey_min_tokens: int | None = None,
-    passkey_filler: str = "fixed",
+    passkey_style: TrainingPasskeys = TrainingPasskeys(),
 ) -> DefaultDataset:
     """Build (or reuse from ``cache_root``) the default dataset.
 
@@ -59,8 +59,8 @@ def build_default_dataset(
     loses the rename uses the winner's copy. Passkey documents are never split across samples (needle
     and question are always seen together): each fills one whole sample with its eos, or, with
     ``passkey_min_tokens``, a sample holds several of random lengths (`passkey_samples`). Passkey
-    samples make up about ``passkey_fraction`` of the samples; ``passkey_filler="varied"`` draws each
-    passkey document's filler from the filler's sentences (`varied_filler`). Samples are split by
+    samples make up about ``passkey_fraction`` of the samples, their documents in ``passkey_style``
+    (`TrainingPasskeys`: filler, key lengths, what ends the answer). Samples are split by
     ``val_fraction`` (at least one validation sample).
     """
     if not 0.0 <= passkey_fraction < 1.0:
@@ -71,11 +71,11 @@ def build_default_dataset(
         corpus_bytes=corpus_bytes,
         passkey_fraction=passkey_fraction,
         passkey_min_tokens=passkey_min_tokens,
-        passkey_filler=passkey_filler,
+        passkey_style=passkey_style,
         val_fraction=val_fraction,
         seed=seed,
     )
-    args = build | dict(python=sys.version, recipe=_RECIPE_VERSION)
+    args = build | dict(passkey_style=asdict(passkey_style), python=sys.version, recipe=_RECIPE_VERSION)
     digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:16]
     final = Path(cache_root) / f"default-{digest}"
     if not final.exists():
@@ -101,7 +101,7 @@ def write_default_dataset(
     val_fraction,
     seed,
     passkey_min_tokens=None,
-    passkey_filler="fixed",
+    passkey_style=TrainingPasskeys(),
 ):
     """Train the tokenizer and write the train/val shards of the default dataset into `out` (created here)."""
     start = time.perf_counter()
@@ -123,8 +123,9 @@ def write_default_dataset(
     samples = list(pack_documents(docs, sample_len, tokenizer.eos_id))
     rng = random.Random(seed)
     n_passkey = round(passkey_fraction * len(samples) / (1.0 - passkey_fraction))
-    vary = passkey_filler == "varied"
-    samples += [passkey_samples(tokenizer, sample_len, passkey_min_tokens, rng, vary) for _ in range(n_passkey)]
+    samples += [
+        passkey_samples(tokenizer, sample_len, passkey_min_tokens, rng, passkey_style) for _ in range(n_passkey)
+    ]
     rng.shuffle(samples)
     progress(f"{n_passkey} passkey samples")
 
@@ -139,7 +140,11 @@ def write_default_dataset(
 
 
 def passkey_samples(
-    tokenizer, sample_len: int, min_tokens: int | None, rng: random.Random, vary_filler: bool = False
+    tokenizer,
+    sample_len: int,
+    min_tokens: int | None,
+    rng: random.Random,
+    style: TrainingPasskeys = TrainingPasskeys(),
 ) -> PackedSample:
     """One sample of whole passkey documents, each with its eos: one filling it (min_tokens None), or
     several, each min_tokens..sample_len - 1 tokens long but the last, which takes the rest."""
@@ -151,6 +156,6 @@ def passkey_samples(
         if room - n < (min_tokens or 0) + 1:  # no room left for another document: this one takes it all
             n = room
         starts.append(len(tokens))
-        tokens += passkey_training_tokens(tokenizer, n - 1, rng, vary_filler) + [tokenizer.eos_id]
+        tokens += passkey_training_tokens(tokenizer, n - 1, rng, style) + [tokenizer.eos_id]
         room -= n
     return PackedSample(np.array(tokens, dtype=np.int32), np.array(starts, dtype=np.int32))

@@ -6,6 +6,7 @@ inserted at a relative depth, then a question whose answer is the key.
 
 import random
 from dataclasses import dataclass
+from typing import Literal
 
 from megabam.data.tokenizer import Tokenizer
 from megabam.errors import UserError
@@ -35,9 +36,9 @@ class PasskeySample:
     answer_ids: list[int]
 
 
-def random_key(rng: random.Random) -> str:
-    """A random 5-digit key (no leading zero)."""
-    return str(rng.randint(10_000, 99_999))
+def random_key(rng: random.Random, digits: int = 5) -> str:
+    """A random key of ``digits`` digits (no leading zero); the evaluation's keys have 5."""
+    return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
 
 
 def passkey_sample(
@@ -76,13 +77,33 @@ def varied_filler(rng: random.Random) -> str:
     return "".join(rng.sample(FILLER_SENTENCES, rng.randint(1, len(FILLER_SENTENCES))))
 
 
+@dataclass(frozen=True)
+class TrainingPasskeys:
+    """How the training passkey documents may differ from the evaluation's prompts (whose keys have 5
+    digits, whose filler is `FILLER`), the data options ``data.passkey_*`` of the config.
+
+    - ``filler``: fixed = the evaluation's; varied = `varied_filler`, drawn per document.
+    - ``key_digits``: the key's number of digits, drawn per document from this range (inclusive).
+    - ``answer_end``: eos = the document's eos follows the key's last digit; period = a period
+      first, as the needle writes the key ("{key}. Remember it."). With eos right after the digits
+      the end of the answer can only be told by counting them: past the training length such
+      models put the eos in place of the last digit (docs/results.md). With a period, or with keys
+      of varied length, the end is found by copying what follows the key in the needle.
+    """
+
+    filler: Literal["fixed", "varied"] = "fixed"
+    key_digits: tuple[int, int] = (5, 5)
+    answer_end: Literal["eos", "period"] = "eos"
+
+
 def passkey_training_tokens(
-    tokenizer: Tokenizer, n_tokens: int, rng: random.Random, vary_filler: bool = False
+    tokenizer: Tokenizer, n_tokens: int, rng: random.Random, style: TrainingPasskeys = TrainingPasskeys()
 ) -> list[int]:
-    """A passkey prompt followed by its answer, ``n_tokens`` long, random key and depth; with
-    ``vary_filler``, the filler unit is `varied_filler` instead of the evaluation's."""
-    key = random_key(rng)
-    filler_text = varied_filler(rng) if vary_filler else FILLER
-    answer_len = len(tokenizer.encode(ANSWER.format(key=key)))
-    sample = passkey_sample(tokenizer, n_tokens - answer_len, rng.random(), key, filler_text)
-    return sample.prompt_ids + sample.answer_ids
+    """A passkey prompt followed by its answer, ``n_tokens`` long, random key and depth, in ``style``."""
+    low, high = style.key_digits
+    # A fixed length draws nothing for it, so the default documents stay those of earlier versions.
+    key = random_key(rng, low if low == high else rng.randint(low, high))
+    filler_text = varied_filler(rng) if style.filler == "varied" else FILLER
+    answer = tokenizer.encode(ANSWER.format(key=key) + ("." if style.answer_end == "period" else ""))
+    sample = passkey_sample(tokenizer, n_tokens - len(answer), rng.random(), key, filler_text)
+    return sample.prompt_ids + answer

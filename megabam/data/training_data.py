@@ -11,7 +11,7 @@ from megabam.config import Config, ConfigError
 from megabam.data.default_dataset import build_default_dataset
 from megabam.data.errors import DataError
 from megabam.data.mixture import StreamSpec, check_streams
-from megabam.data.passkey import PromptTooShort
+from megabam.data.passkey import PromptTooShort, TrainingPasskeys
 from megabam.data.shards import verify_shards
 from megabam.data.tokenizer import load_tokenizer
 
@@ -115,7 +115,11 @@ def build_training_data(cfg: Config, rank: int) -> TrainingData:
                 corpus_bytes=cfg.data.corpus_bytes,
                 passkey_fraction=cfg.data.passkey_fraction,
                 passkey_min_tokens=cfg.data.passkey_min_tokens,
-                passkey_filler=cfg.data.passkey_filler,
+                passkey_style=TrainingPasskeys(
+                    filler=cfg.data.passkey_filler,
+                    key_digits=tuple(cfg.data.passkey_key_digits),
+                    answer_end=cfg.data.passkey_answer_end,
+                ),
                 val_fraction=cfg.data.val_fraction,
                 seed=cfg.run.seed,
             )

@@ -6,6 +6,7 @@ greedy decoding would have produced exactly the key. A length n means n tokens f
 """
 
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -19,17 +20,26 @@ from megabam.progress import Progress
 Predict = Callable[[torch.Tensor], torch.Tensor]  # token ids (1, n) → the argmax next token at each position (1, n)
 
 
+class KeyPrediction(NamedTuple):
+    """The model's argmax at each key token of one prompt, and whether it is that token."""
+
+    right: list[bool]
+    predicted: list[int]
+
+
 @torch.no_grad()
-def score_prompt(predict: Predict, tokenizer: Tokenizer, n_tokens: int, depth: float, key: str, device) -> list[bool]:
-    """For one prompt of `n_tokens` (prompt + key) with the needle at `depth`: whether each key token
-    is the model's argmax."""
+def score_prompt(
+    predict: Predict, tokenizer: Tokenizer, n_tokens: int, depth: float, key: str, device
+) -> KeyPrediction:
+    """For one prompt of `n_tokens` (prompt + key) with the needle at `depth`: the model's argmax at
+    each key token, and whether it is right."""
     answer_len = len(tokenizer.encode(f" {key}"))
     sample = passkey_sample(tokenizer, n_tokens - answer_len, depth, key)
     ids = torch.tensor([sample.prompt_ids + sample.answer_ids], device=device)
     # All n tokens go in (the last position's prediction goes unused) so that a sequence-parallel
     # model, which needs lengths divisible by its TP size, scores n = data.seq_len as it trains.
-    predicted = predict(ids)[0, -len(sample.answer_ids) - 1 : -1]
-    return [p == a for p, a in zip(predicted.tolist(), sample.answer_ids)]
+    predicted = predict(ids)[0, -len(sample.answer_ids) - 1 : -1].tolist()
+    return KeyPrediction([p == a for p, a in zip(predicted, sample.answer_ids)], predicted)
 
 
 class PasskeyScore(NamedTuple):
@@ -44,7 +54,7 @@ def passkey_accuracy(
     `predict` is e.g. `Decoder.greedy`."""
     rng = random.Random(seed)
     right = [
-        score_prompt(predict, tokenizer, n_tokens, i / max(1, n_samples - 1), random_key(rng), device)
+        score_prompt(predict, tokenizer, n_tokens, i / max(1, n_samples - 1), random_key(rng), device).right
         for i in range(n_samples)
     ]
     return PasskeyScore(sum(map(all, right)) / n_samples, sum(map(sum, right)) / sum(map(len, right)))
@@ -56,7 +66,8 @@ class PasskeyGrid:
     and `key_tokens` the share of key tokens right (partial copying shows here first); per length,
     `by_position` the share right of the key's first, second, ... token over every depth (which part
     of the copy fails as prompts grow: finding the needle loses the first token, a copy that blurs
-    loses the later ones)."""
+    loses the later ones), and `misses` what the model put in place of each key token it got wrong,
+    with counts (an eos in place of the last digit is a model that ends the answer by counting)."""
 
     lengths: list[int]
     depths: list[float]
@@ -64,6 +75,7 @@ class PasskeyGrid:
     retrieved: list[list[int]]  # [length][depth]
     key_tokens: list[list[float]]
     by_position: list[list[float]]  # [length][key token]
+    misses: list[list[dict[str, int]]]  # [length][key token]: predicted token's text → prompts
 
     def accuracy(self) -> list[list[float]]:
         return [[r / self.trials for r in row] for row in self.retrieved]
@@ -75,7 +87,27 @@ class PasskeyGrid:
         key_tokens = [f"{sum(row) / len(row):.2f}" for row in self.key_tokens]
         grid = grid_table(self.lengths, self.depths, self.accuracy(), ("key tokens", key_tokens))
         positions = [f"{n:>8} | " + " ".join(f"{v:.2f}" for v in row) for n, row in zip(self.lengths, self.by_position)]
-        return [*grid, "", "share right by key token (first to last), every depth:", *positions]
+        misses = [
+            f"{n:>8} | "
+            + (
+                "; ".join(
+                    f"token {i + 1}: " + ", ".join(f"{text} ×{count}" for text, count in wrong.items())
+                    for i, wrong in enumerate(row)
+                    if wrong
+                )
+                or "none"
+            )
+            for n, row in zip(self.lengths, self.misses)
+        ]
+        return [
+            *grid,
+            "",
+            "share right by key token (first to last), every depth:",
+            *positions,
+            "",
+            "predicted in place of the key tokens missed, with counts:",
+            *misses,
+        ]
 
     def to_json(self) -> dict:
         return {
@@ -86,6 +118,7 @@ class PasskeyGrid:
             "accuracy": self.accuracy(),
             "key_token_accuracy": self.key_tokens,
             "key_token_accuracy_by_position": self.by_position,
+            "misses_by_position": self.misses,
             "accuracy_by_length": {str(n): a for n, a in self.by_length().items()},
         }
 
@@ -103,24 +136,26 @@ def passkey_grid(
     """`trials` prompts, each with its own random key, in every (length, depth) cell; `progress` counts
     the prompts' tokens (a 16k prompt costs 16 of 1k) and gets a line per finished length."""
     rng = random.Random(seed)
-    retrieved, key_tokens, by_position = [], [], []
+    retrieved, key_tokens, by_position, misses = [], [], [], []
     for n in lengths:
         row_hits, row_tokens, prompts = [], [], []
         for depth in depths:
-            right = []
+            scored = []
             for _ in range(trials):
-                right.append(score_prompt(predict, tokenizer, n, depth, random_key(rng), device))
+                scored.append(score_prompt(predict, tokenizer, n, depth, random_key(rng), device))
                 if progress:
                     progress.advance(n)
+            right = [s.right for s in scored]
             row_hits.append(sum(all(r) for r in right))
             row_tokens.append(sum(sum(r) for r in right) / sum(len(r) for r in right))
-            prompts += right
+            prompts += scored
         retrieved.append(row_hits)
         key_tokens.append(row_tokens)
-        by_position.append(share_by_position(prompts))
+        by_position.append(share_by_position([p.right for p in prompts]))
+        misses.append(missed_by_position(prompts, tokenizer))
         if progress:
             progress.note(f"passkey @ {n}: {sum(row_hits)}/{trials * len(depths)} retrieved")
-    return PasskeyGrid(lengths, depths, trials, retrieved, key_tokens, by_position)
+    return PasskeyGrid(lengths, depths, trials, retrieved, key_tokens, by_position, misses)
 
 
 def share_by_position(prompts: list[list[bool]]) -> list[float]:
@@ -128,6 +163,26 @@ def share_by_position(prompts: list[list[bool]]) -> list[float]:
     into different numbers of tokens, so position i counts only the keys that have an i-th token."""
     longest = max(map(len, prompts))
     return [sum(p[i] for p in prompts if len(p) > i) / sum(len(p) > i for p in prompts) for i in range(longest)]
+
+
+def missed_by_position(prompts: list[KeyPrediction], tokenizer: Tokenizer) -> list[dict[str, int]]:
+    """For each key position, the tokens predicted where the key's token was missed, most frequent
+    first, as text (`<eos>` for the eos, others quoted) with the number of prompts."""
+    longest = max(len(p.right) for p in prompts)
+    counts = [Counter() for _ in range(longest)]
+    for p in prompts:
+        for i, (ok, token) in enumerate(zip(p.right, p.predicted)):
+            if not ok:
+                counts[i][token] += 1
+
+    def text(token: int) -> str:
+        return "<eos>" if token == tokenizer.eos_id else repr(tokenizer.decode([token]))
+
+    merged = [{} for _ in counts]  # two tokens may decode alike: count them under one text
+    for c, out in zip(counts, merged):
+        for token, n in c.most_common():
+            out[text(token)] = out.get(text(token), 0) + n
+    return merged
 
 
 def grid_table(

@@ -23,6 +23,7 @@ from megabam.data.passkey import (
     INSTRUCTION,
     NEEDLE,
     QUESTION,
+    TrainingPasskeys,
     passkey_sample,
     passkey_training_tokens,
     random_key,
@@ -150,6 +151,32 @@ def test_passkey_training_tokens(tokenizer):
         assert f"The pass key is {key}. Remember it." in text
 
 
+@pytest.mark.parametrize("digits", [(5, 5), (3, 7)])
+@pytest.mark.parametrize("end", ["eos", "period"])
+def test_passkey_training_answer_styles(tokenizer, digits, end):
+    """Keys of the drawn lengths, the same in needle and answer, the answer's tokens those the
+    evaluation scores (the key as `passkey_sample` encodes it), then a period if asked; and the
+    default style draws exactly the documents of a plain build from `random_key` and `passkey_sample`."""
+    rng, plain = random.Random(7), random.Random(7)
+    lengths = set()
+    for _ in range(60):
+        ids = passkey_training_tokens(tokenizer, 300, rng, TrainingPasskeys(key_digits=digits, answer_end=end))
+        assert len(ids) <= 300
+        text = tokenizer.decode(ids)
+        key = re.search(r"The pass key is (\d+)\. Remember it\. \1 is the pass key\.", text).group(1)
+        lengths.add(len(key))
+        tail = f"{QUESTION} {key}" + ("." if end == "period" else "")
+        assert text.endswith(tail) and text.count(key) == 3
+        scored = tokenizer.encode(f" {key}")  # what the evaluation scores (passkey_sample's answer_ids)
+        answer = ids[len(ids) - len(scored) - (end == "period") :]
+        assert answer[: len(scored)] == scored and (end == "eos" or tokenizer.decode(answer[-1:]) == ".")
+        if digits == (5, 5) and end == "eos":
+            key = random_key(plain)
+            sample = passkey_sample(tokenizer, 300 - len(scored), plain.random(), key)
+            assert ids == sample.prompt_ids + sample.answer_ids
+    assert lengths == set(range(digits[0], digits[1] + 1))
+
+
 def filler_sentences(text: str, key: str) -> tuple[list[str], str]:
     """The whole filler sentences of a decoded training document, in order, and the cut-off rest."""
     body = text[len(INSTRUCTION) : text.index(QUESTION)].replace(NEEDLE.format(key=key), "", 1)
@@ -161,9 +188,9 @@ def filler_sentences(text: str, key: str) -> tuple[list[str], str]:
 def test_passkey_training_filler(tokenizer, vary):
     """The evaluation's filler, or (vary) one to five of its sentences in random order, repeated."""
     rng = random.Random(5)
-    units = []
+    units, style = [], TrainingPasskeys(filler="varied" if vary else "fixed")
     for _ in range(40):
-        text = tokenizer.decode(passkey_training_tokens(tokenizer, 400, rng, vary_filler=vary))
+        text = tokenizer.decode(passkey_training_tokens(tokenizer, 400, rng, style))
         key = text.rsplit(" ", 1)[1]
         assert text.startswith(INSTRUCTION) and text.endswith(f"{QUESTION} {key}")
         sentences, rest = filler_sentences(text, key)

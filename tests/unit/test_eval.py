@@ -152,7 +152,8 @@ def test_passkey_prompts_have_the_length_and_depth_asked_for(tokenizer, n_tokens
 
 
 class Oracle:
-    """Predicts each true next token, reading the key off the needle; `wrong_last` spoils its last digit."""
+    """Predicts each true next token, reading the key off the needle; `wrong_last` puts the eos in place
+    of its last digit."""
 
     def __init__(self, tokenizer, wrong_last=False):
         self.tokenizer, self.wrong_last = tokenizer, wrong_last
@@ -161,7 +162,7 @@ class Oracle:
         full = ids[0].tolist()
         predicted = full[1:] + [0]
         if self.wrong_last:
-            predicted[-2] = (predicted[-2] + 1) % 512
+            predicted[-2] = self.tokenizer.eos_id
         return torch.tensor([predicted])
 
 
@@ -179,6 +180,11 @@ def test_passkey_grid_scores_full_partial_and_no_retrieval(tokenizer):
     assert partial.by_position == [[1.0] * (key_length - 1) + [0.0]] * 2
     assert full.by_position == [[1.0] * key_length] * 2
     assert "share right by key token (first to last), every depth:" in partial.table()
+    # What stood in place of the missed tokens: the eos at the last digit, in all 6 prompts per length.
+    assert partial.misses == [[{}] * (key_length - 1) + [{"<eos>": 6}]] * 2
+    assert full.misses == [[{}] * key_length] * 2
+    assert f"     300 | token {key_length}: <eos> ×6" in partial.table()
+    assert "     600 | none" in full.table()
     data = json.loads(json.dumps(full.to_json()))
     assert data["accuracy_by_length"] == {"300": 1.0, "600": 1.0} and data["trials"] == 2
     assert data["key_token_accuracy_by_position"] == [[1.0] * key_length] * 2
