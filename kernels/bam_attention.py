@@ -34,11 +34,14 @@ class BamParams(NamedTuple):
     s: Tensor | None  # (H,) SSMax scale; None = no SSMax
     ssmax_before_prior: bool
     scale: float
+    key_cap: Tensor | None = None  # (H,) the most keys SSMax counts per head (AttentionOptions.ssmax_key_cap)
 
 
-def bam_params(dtype, thetas, ssmax_before_prior: bool, scale: float) -> BamParams:
-    """The (θα, θβ, θμ, s) tensors, detached and cast to the compute dtype, with the options."""
-    return BamParams(*(None if t is None else t.detach().to(dtype) for t in thetas), ssmax_before_prior, scale)
+def bam_params(dtype, thetas, ssmax_before_prior: bool, scale: float, key_cap: Tensor | None = None) -> BamParams:
+    """The (θα, θβ, θμ, s) tensors and the key cap, detached and cast to the compute dtype, with the options."""
+    tensors = (None if t is None else t.detach().to(dtype) for t in (*thetas, key_cap))
+    *heads, cap = tensors
+    return BamParams(*heads, ssmax_before_prior, scale, cap)
 
 
 def key_start(doc_ids: Tensor | None, window: int | None, n: int, device) -> Tensor:
@@ -152,6 +155,16 @@ def key_count_log(lo: Tensor, rows: Tensor, dtype) -> Tensor:
     return torch.log((rows - lo + 1).to(dtype))
 
 
+def capped_log(log_n: Tensor, p: BamParams) -> Tensor:
+    """ln n_i (.., 1, R, 1) at most ln of each head's key cap, (.., H, R, 1) where some row reaches
+    one (ssmax_key_cap; unchanged, shared by the heads, where none does). ln is monotonic, so
+    min(ln n, ln cap) = ln min(n, cap)."""
+    if p.key_cap is None:
+        return log_n
+    log_cap = p.key_cap.log()[:, None, None]
+    return torch.minimum(log_n, log_cap) if bool((log_n > log_cap.min()).any()) else log_n
+
+
 def toeplitz_tile(table: Tensor, R: int, C: int) -> Tensor:
     """tile[h, i, c] = table[h, i + c]: an (H, R, C) tile of a function of j - i given at its R + C - 1
     offsets, for keys in reverse order (column c is the block's key C - 1 - c): then j - i falls by
@@ -187,7 +200,7 @@ def block_logits(
     """
     R, C = q.shape[-2], k.shape[-2]
     rows = torch.arange(qs, qs + R, device=q.device)
-    log_n = None if p.s is None else key_count_log(lo, rows, q.dtype)[:, None, :, None]
+    log_n = None if p.s is None else capped_log(key_count_log(lo, rows, q.dtype)[:, None, :, None], p)
     f = query_factor(p, log_n)
     qf = q * f
     logits = torch.matmul(qf, k.transpose(-1, -2))
@@ -211,9 +224,9 @@ def block_logits(
 
 class _BAMAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, alpha, beta, mu, s, lo, ssmax_before_prior, block, scale, window):
+    def forward(ctx, q, k, v, alpha, beta, mu, s, lo, ssmax_before_prior, block, scale, window, key_cap):
         dtype = compute_dtype(q)
-        p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale)
+        p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale, key_cap)
         # Keys and values in reverse order (block_logits): keys ks..qe-1 are rows N-qe..N-ks.
         qc, kc, vc = q.to(dtype), k.to(dtype).flip(2), v.to(dtype).flip(2)
         B, H, N, _ = q.shape
@@ -225,16 +238,16 @@ class _BAMAttention(torch.autograd.Function):
             out[:, :, qs:qe] = torch.softmax(logits, -1) @ vc[:, :, N - qe : N - ks]
         # The reversed keys and values, not k and v: the backward needs them so, and flipping costs.
         ctx.save_for_backward(q, kc, vc, lo, alpha, beta, mu, s)
-        ctx.cfg = (ssmax_before_prior, block, scale, window, k.dtype, v.dtype)
+        ctx.cfg = (ssmax_before_prior, block, scale, window, k.dtype, v.dtype, key_cap)
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         q, kc, vc, lo, alpha, beta, mu, s = ctx.saved_tensors
-        ssmax_before_prior, block, scale, window, k_dtype, v_dtype = ctx.cfg
+        ssmax_before_prior, block, scale, window, k_dtype, v_dtype, key_cap = ctx.cfg
         dtype = compute_dtype(q)
-        p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale)
+        p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale, key_cap)
         qc, do = q.to(dtype), dout.to(dtype)
         _, H, N, _ = q.shape
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
@@ -283,6 +296,7 @@ class _BAMAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -302,6 +316,9 @@ class AttentionOptions:
     prior_ij = -exp(θα)·(|j - i - μ| + 1e-5)^θβ with μ = 2·sinh(θμ); θβ is used raw (β < 0 allowed).
     SSMax (ssmax_s (H,) given): with n_i the number of keys row i may attend to, logits are
     (q·k·scale + prior)·s·ln n_i, or q·k·scale·s·ln n_i + prior if ssmax_before_prior.
+    `ssmax_key_cap` ((H,), or None): the most keys SSMax counts in each head, n_i replaced by
+    min(n_i, cap_h) (inf: no cap). Only the tiled op (bam_attention) and the dense ones apply it;
+    kernels/dispatch.py sends them every call long enough to reach a cap.
     θα, θβ, θμ and s are per query head; gradients flow to each one that requires grad. `scale`
     defaults to 1/sqrt(D). `block_size`: query rows per tile of the tiled ops, whose memory is
     O(block_size · keys); the fused kernels choose their own tiles.
@@ -316,12 +333,15 @@ class AttentionOptions:
     window: int | None = None
     block_size: int = 128
     scale: float | None = None
+    ssmax_key_cap: Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.theta_alpha is None) != (self.theta_beta is None):
             raise ValueError("theta_alpha and theta_beta must be given together")
         if self.theta_mu is not None and self.theta_alpha is None:
             raise ValueError("theta_mu needs theta_alpha and theta_beta")
+        if self.ssmax_key_cap is not None and self.ssmax_s is None:
+            raise ValueError("ssmax_key_cap caps SSMax's key count: it needs ssmax_s")
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
 
@@ -369,7 +389,16 @@ def bam_attention(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions = A
     options.check(q, k, v)
     k, v, lo, scale = tiled_inputs(q, k, v, options)
     return _BAMAttention.apply(
-        q, k, v, *options.head_tensors, lo, options.ssmax_before_prior, options.block_size, scale, options.window
+        q,
+        k,
+        v,
+        *options.head_tensors,
+        lo,
+        options.ssmax_before_prior,
+        options.block_size,
+        scale,
+        options.window,
+        options.ssmax_key_cap,
     )
 
 
@@ -443,7 +472,11 @@ def dense_params(q: Tensor, k: Tensor, options: AttentionOptions) -> BamParams:
     if options.doc_ids is not None:
         raise ValueError("dense attention computes one document (a stream): doc_ids must be None")
     return bam_params(
-        compute_dtype(q), options.head_tensors, options.ssmax_before_prior, options.head_scale(q.shape[-1])
+        compute_dtype(q),
+        options.head_tensors,
+        options.ssmax_before_prior,
+        options.head_scale(q.shape[-1]),
+        options.ssmax_key_cap,
     )
 
 
@@ -462,7 +495,7 @@ def dense_bam_weights(
     lo = q_pos.new_zeros(q_pos.shape) if window is None else (q_pos - window + 1).clamp(min=0)
     delta = k_pos[None, :] - q_pos[:, None]  # j - i, (C, S)
     allowed = (k_pos[None, :] >= lo[:, None]) & (delta <= 0)
-    log_n = None if p.s is None else key_count_log(lo, q_pos, dtype)[:, None]
+    log_n = None if p.s is None else capped_log(key_count_log(lo, q_pos, dtype)[:, None], p)
     logits = (qc * query_factor(p, log_n)) @ kc.transpose(-1, -2)
     if p.alpha is not None:
         add_prior(logits, prior_terms(p, delta.flatten())[0].view(-1, *delta.shape), log_n, p)

@@ -28,6 +28,10 @@ their one-pass C forms on CPU (kernels/cpu_fused.py, "c_fused") where its librar
 PyTorch forms, which inductor fuses where torch.compile traces them (train.compile; the attention and
 mLSTM ops themselves run outside the compiled graphs, megabam/parallel/compile.py).
 
+A call long enough to reach an SSMax key cap (AttentionOptions.ssmax_key_cap: past the training
+length) goes to the PyTorch reference on any device and in any mode: only it and the dense ops of
+streaming inference apply the cap, and no training call reaches it.
+
 Mode `auto` makes that choice; `triton` or `reference` (the PyTorch reference everywhere, the oracle
 of the kernels' tests) forces one. The mode comes from the config key `model.kernels` (passed here as
 `backend`) or the environment variable MEGABAM_KERNELS, which wins when set so a run can be switched
@@ -213,13 +217,19 @@ def attention(
     def c_tiles_apply() -> bool:
         return v.shape[-1] == q.shape[-1] and c_tiles_built() and (not sdpa_applies or c_tiles_wide())
 
-    choice = choose(
-        backend,
-        q,
-        sdpa_applies=sdpa_applies,
-        c_tiles_apply=c_tiles_apply,
-        cuda_choice=lambda: cuda_attention_choice(q, k, options),
-    )
+    if key_cap_reached(q, options):
+        choice = "reference"
+        log_choice(
+            "attention", mode_of(backend), choice, q, "an SSMax key cap is reached: only the tiled op applies it"
+        )
+    else:
+        choice = choose(
+            backend,
+            q,
+            sdpa_applies=sdpa_applies,
+            c_tiles_apply=c_tiles_apply,
+            cuda_choice=lambda: cuda_attention_choice(q, k, options),
+        )
     if choice == "c_tiles":
         op = importlib.import_module(C_TILES).bam_attention_cpu
     elif choice == "triton":
@@ -240,6 +250,13 @@ def attention(
     # autograd's link to the forward, as attention (tools/bench_gpu_train.py's split of a step by op).
     with record_function("megabam.attention_op"):
         return op(q, k, v, options)
+
+
+def key_cap_reached(q: Tensor, options: AttentionOptions) -> bool:
+    """Whether some row of this call may count more keys than a head's SSMax key cap: rows count at
+    most N keys, so calls no longer than the smallest cap (every training call, the cap being at
+    least data.seq_len) run on the fused kernels, which do not apply it."""
+    return options.ssmax_key_cap is not None and q.shape[-2] > float(options.ssmax_key_cap.min())
 
 
 def mlstm_chunkwise(

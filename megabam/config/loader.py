@@ -132,9 +132,13 @@ def config_from_dict(raw: dict, source: str) -> Config:
 
 def _resolve(config: Config) -> None:
     """Values that follow from others unless given: the SWA layers' inference window is the run's final
-    training window (checked against it in _validate_windows when given)."""
+    training window (checked against it in _validate_windows when given); an SSMax key cap of
+    "seq_len" is data.seq_len."""
     if config.model.swa.window is None:
         config.model.swa.window = config.window.final_window()
+    for section in (config.model.attention, config.model.swa):
+        if section.ssmax_key_cap == "seq_len":
+            section.ssmax_key_cap = config.data.seq_len
 
 
 def text_byte(e: UnicodeDecodeError) -> str:
@@ -223,8 +227,14 @@ def _coerce(tp, value: Any, key: str, source: str):
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
-        (inner,) = [t for t in options if t is not type(None)]
-        return _coerce(inner, value, key, source)
+        inner = [t for t in options if t is not type(None)]
+        refusals = []
+        for each in inner:  # the first annotation the value fits, in the order written
+            try:
+                return _coerce(each, value, key, source)
+            except ConfigError as e:
+                refusals.append(e.message)
+        raise ConfigError(source, key, "; or ".join(refusals))
     if origin is Literal:
         choices = typing.get_args(tp)
         # YAML 1.1 reads a bare off / on (and no / yes, false / true) as a boolean: `train.compile: off`
@@ -293,6 +303,13 @@ def validate(c: Config, source: str) -> None:
         "model.attention.window",
         f"{a.window} must lie in 1..data.seq_len={seq_len}",
     )
+    for section in ("attention", "swa"):
+        cap = getattr(c.model, section).ssmax_key_cap
+        require(
+            cap is None or (getattr(c.model, section).ssmax and cap >= seq_len),
+            f"model.{section}.ssmax_key_cap",
+            f"{cap} must be at least data.seq_len={seq_len}, with ssmax on (it acts past the training length only)",
+        )
     if "swa" in mixers:
         _validate_windows(c, require)
     require(

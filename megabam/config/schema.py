@@ -113,6 +113,14 @@ class AttentionConfig:
     ssmax_before_prior: bool = doc(
         False, "Scale q·k by s_h·log(n_i) before adding the prior (default: scale after adding it)."
     )
+    ssmax_key_cap: int | Literal["seq_len"] | None = doc(
+        None,
+        "SSMax's key count n_i stops at this many keys in heads whose prior decays with distance (θ_β > 0, "
+        "ALiBi's too), as it stops at the window under a sliding window: such a head reads a neighbourhood, "
+        "and past the training length log n_i would only sharpen it beyond anything it trained on. At least "
+        "data.seq_len, so training never reaches it; seq_len = data.seq_len (resolved when the config is "
+        "loaded); null = no cap.",
+    )
     window: int | None = doc(None, "Sliding window in tokens (the token itself included); null = full causal.")
     document_aware: bool = doc(
         True, "Mask attention across packed-document boundaries and count SSMax n_i from the document start."

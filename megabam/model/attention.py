@@ -6,6 +6,7 @@ op itself (kernels/bam_attention.py) tiles over query blocks, evaluates the prio
 a window, touches only the key tiles the window reaches, so no N×N tensor exists and SWA costs N·w.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -65,6 +66,7 @@ class Attention(nn.Module):
         self.prior = prior
         self.ssmax_s = nn.Parameter(torch.full((cfg.n_heads,), a.ssmax_init)) if a.ssmax else None
         self.ssmax_before_prior = a.ssmax_before_prior
+        self.ssmax_key_cap = a.ssmax_key_cap
         self.positional = a.positional
         self.rope_theta = a.rope_theta if a.positional == "rope" else None
         self.window = a.window
@@ -108,6 +110,11 @@ class Attention(nn.Module):
         """The options of this call of the op: made per call, since θ and s are parameters that each
         step updates."""
         theta_alpha, theta_beta, theta_mu = self.prior() if self.prior is not None else (None, None, None)
+        key_cap = None
+        if self.ssmax_key_cap is not None and self.ssmax_s is not None and theta_beta is not None:
+            # Capped: the heads whose prior decays with distance (θ_β > 0), local by their prior.
+            inf = torch.tensor(math.inf, device=theta_beta.device)
+            key_cap = torch.where(theta_beta.detach() > 0, float(self.ssmax_key_cap), inf)
         return AttentionOptions(
             theta_alpha=theta_alpha,
             theta_beta=theta_beta,
@@ -117,6 +124,7 @@ class Attention(nn.Module):
             doc_ids=seq.doc_ids if self.document_aware else None,
             window=self.window_of(seq),
             block_size=self.block_size,
+            ssmax_key_cap=key_cap,
         )
 
     @torch.no_grad()
