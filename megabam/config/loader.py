@@ -306,9 +306,9 @@ def validate(c: Config, source: str) -> None:
     for section in ("attention", "swa"):
         cap = getattr(c.model, section).ssmax_key_cap
         require(
-            cap is None or (getattr(c.model, section).ssmax and cap >= seq_len),
+            cap is None or cap >= seq_len,
             f"model.{section}.ssmax_key_cap",
-            f"{cap} must be at least data.seq_len={seq_len}, with ssmax on (it acts past the training length only)",
+            f"{cap} must be at least data.seq_len={seq_len} (it acts past the training length only)",
         )
     if "swa" in mixers:
         _validate_windows(c, require)

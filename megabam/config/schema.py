@@ -119,7 +119,7 @@ class AttentionConfig:
         "ALiBi's too), as it stops at the window under a sliding window: such a head reads a neighbourhood, "
         "and past the training length log n_i would only sharpen it beyond anything it trained on. At least "
         "data.seq_len, so training never reaches it; seq_len = data.seq_len (resolved when the config is "
-        "loaded); null = no cap.",
+        "loaded); null = no cap. No effect without ssmax or without a prior.",
     )
     window: int | None = doc(None, "Sliding window in tokens (the token itself included); null = full causal.")
     document_aware: bool = doc(

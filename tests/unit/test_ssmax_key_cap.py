@@ -104,7 +104,8 @@ def first_attention(overrides) -> Attention:
 
 def test_the_model_caps_the_heads_whose_prior_decays():
     """θ_β > 0 heads get the cap (ALiBi's every head), flat or inverted ones (θ_β <= 0) none; there is
-    none without a prior."""
+    none without a prior or without SSMax (the configs' cap then stays as it is, idle: an arm that turns
+    SSMax off needs no other change)."""
     cap = ["model.attention.ssmax_key_cap=256"]
     spread = first_attention([*cap, "model.attention.bam.init=spread"])
     caps, beta = spread._options(SequenceInfo()).ssmax_key_cap, spread.prior()[1]
@@ -113,6 +114,7 @@ def test_the_model_caps_the_heads_whose_prior_decays():
     alibi = first_attention([*cap, "model.attention.positional=alibi"])
     assert torch.equal(alibi._options(SequenceInfo()).ssmax_key_cap, torch.full((alibi.n_heads,), 256.0))
     assert first_attention([*cap, "model.attention.positional=nope"])._options(SequenceInfo()).ssmax_key_cap is None
+    assert first_attention([*cap, "model.attention.ssmax=false"])._options(SequenceInfo()).ssmax_key_cap is None
 
 
 def test_a_cap_of_seq_len_follows_the_training_length():
@@ -125,11 +127,10 @@ def test_a_cap_of_seq_len_follows_the_training_length():
     "overrides",
     [
         ["model.attention.ssmax_key_cap=100"],
-        ["model.attention.ssmax=false", "model.attention.ssmax_key_cap=512"],
         ["model.attention.ssmax_key_cap=longest"],
     ],
 )
-def test_config_refuses_a_cap_training_would_reach_or_without_ssmax(overrides):
+def test_config_refuses_a_cap_training_would_reach(overrides):
     with pytest.raises(ConfigError, match="model.attention.ssmax_key_cap"):
         load_config(CONFIG, overrides)
 
@@ -142,7 +143,7 @@ def test_streamed_model_equals_its_one_shot_forward_past_the_cap():
     small += ["model.attention.bam.init=spread", "data.seq_len=16", "data.passkey_min_tokens=null"]
     torch.manual_seed(0)
     capped = Decoder(load_config(CONFIG, [*small, "model.attention.ssmax_key_cap=16"]).model).double().eval()
-    plain = Decoder(load_config(CONFIG, small).model).double().eval()
+    plain = Decoder(load_config(CONFIG, [*small, "model.attention.ssmax_key_cap=null"]).model).double().eval()
     plain.load_state_dict(capped.state_dict())
     ids = torch.randint(0, 97, (1, 53), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
