@@ -106,12 +106,15 @@ class Attention(nn.Module):
         q, k = qk.split([self.n_heads, self.kv_heads], dim=2)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def _options(self, seq: SequenceInfo) -> AttentionOptions:
-        """The options of this call of the op: made per call, since θ and s are parameters that each
-        step updates."""
+    def _options(self, seq: SequenceInfo, keys: int) -> AttentionOptions:
+        """The options of this call of the op, whose rows see at most `keys` keys: made per call, since θ
+        and s are parameters that each step updates."""
         theta_alpha, theta_beta, theta_mu = self.prior() if self.prior is not None else (None, None, None)
         key_cap = None
-        if self.ssmax_key_cap is not None and self.ssmax_s is not None and theta_beta is not None:
+        # Only a call that can reach the cap carries it (never a training call: the cap is at least
+        # data.seq_len), so training builds no per-head tensor and the dispatch never reads one.
+        reached = self.ssmax_key_cap is not None and keys > self.ssmax_key_cap
+        if reached and self.ssmax_s is not None and theta_beta is not None:
             # Capped: the heads whose prior decays with distance (θ_β > 0), local by their prior.
             inf = torch.tensor(math.inf, device=theta_beta.device)
             key_cap = torch.where(theta_beta.detach() > 0, float(self.ssmax_key_cap), inf)
@@ -132,7 +135,7 @@ class Attention(nn.Module):
         """The attention probabilities (B, n_heads, N, N) of one document x (B, N, d), for plots."""
         q, k, _ = self._project(x)
         positions = torch.arange(x.shape[1], device=x.device)
-        return dense_bam_weights(q, k, positions, positions, self._options(SequenceInfo()))
+        return dense_bam_weights(q, k, positions, positions, self._options(SequenceInfo(), x.shape[1]))
 
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         B, N, _ = x.shape
@@ -143,7 +146,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         """The call of the op (kernels/dispatch.py), this call's options included: a compiled block runs
         it outside its graphs (megabam/parallel/compile.py), so the per-step window never reaches them."""
-        return attention(q, k, v, self._options(seq), backend=self.backend)
+        return attention(q, k, v, self._options(seq, q.shape[-2]), backend=self.backend)
 
     def stream(self, x: torch.Tensor, cache: KVCache | None, seq: SequenceInfo) -> tuple[torch.Tensor, KVCache]:
         """Continue a stream (inference): x (B, C, d) are the next C tokens after those in `cache`
@@ -172,7 +175,7 @@ class Attention(nn.Module):
             values,
             new_pos,
             torch.cat([cache.positions, new_pos]),
-            self._options(seq),
+            self._options(seq, start + C),
             in_order=window is None,
         )
         if window is None:

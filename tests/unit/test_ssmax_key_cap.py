@@ -108,13 +108,16 @@ def test_the_model_caps_the_heads_whose_prior_decays():
     SSMax off needs no other change)."""
     cap = ["model.attention.ssmax_key_cap=256"]
     spread = first_attention([*cap, "model.attention.bam.init=spread"])
-    caps, beta = spread._options(SequenceInfo()).ssmax_key_cap, spread.prior()[1]
+    caps, beta = spread._options(SequenceInfo(), 257).ssmax_key_cap, spread.prior()[1]
     assert bool((beta > 0).any()) and bool((beta <= 0).any())
     assert torch.equal(caps, torch.where(beta > 0, 256.0, math.inf))
     alibi = first_attention([*cap, "model.attention.positional=alibi"])
-    assert torch.equal(alibi._options(SequenceInfo()).ssmax_key_cap, torch.full((alibi.n_heads,), 256.0))
-    assert first_attention([*cap, "model.attention.positional=nope"])._options(SequenceInfo()).ssmax_key_cap is None
-    assert first_attention([*cap, "model.attention.ssmax=false"])._options(SequenceInfo()).ssmax_key_cap is None
+    assert torch.equal(alibi._options(SequenceInfo(), 257).ssmax_key_cap, torch.full((alibi.n_heads,), 256.0))
+    assert (
+        first_attention([*cap, "model.attention.positional=nope"])._options(SequenceInfo(), 257).ssmax_key_cap is None
+    )
+    assert first_attention([*cap, "model.attention.ssmax=false"])._options(SequenceInfo(), 257).ssmax_key_cap is None
+    assert spread._options(SequenceInfo(), 256).ssmax_key_cap is None  # a call no row of which reaches the cap
 
 
 def test_a_cap_of_seq_len_follows_the_training_length():
