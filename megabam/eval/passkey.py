@@ -168,21 +168,16 @@ def share_by_position(prompts: list[list[bool]]) -> list[float]:
 def missed_by_position(prompts: list[KeyPrediction], tokenizer: Tokenizer) -> list[dict[str, int]]:
     """For each key position, the tokens predicted where the key's token was missed, most frequent
     first, as text (`<eos>` for the eos, others quoted) with the number of prompts."""
-    longest = max(len(p.right) for p in prompts)
-    counts = [Counter() for _ in range(longest)]
+
+    def text(token: int) -> str:  # two tokens that decode alike are counted under one text
+        return "<eos>" if token == tokenizer.eos_id else repr(tokenizer.decode([token]))
+
+    counts = [Counter() for _ in range(max(len(p.right) for p in prompts))]
     for p in prompts:
         for i, (ok, token) in enumerate(zip(p.right, p.predicted)):
             if not ok:
-                counts[i][token] += 1
-
-    def text(token: int) -> str:
-        return "<eos>" if token == tokenizer.eos_id else repr(tokenizer.decode([token]))
-
-    merged = [{} for _ in counts]  # two tokens may decode alike: count them under one text
-    for c, out in zip(counts, merged):
-        for token, n in c.most_common():
-            out[text(token)] = out.get(text(token), 0) + n
-    return merged
+                counts[i][text(token)] += 1
+    return [dict(c.most_common()) for c in counts]
 
 
 def grid_table(
