@@ -10,7 +10,8 @@ tile twice: once per key block (dk, dv) and once per query block (dq and the per
 One special-function operation per score. The prior depends on the offset i - j only (and the
 head's θ), so the host computes it once per call as a per-head table over a causal row's offsets
 0..N-1 (prior_tables: O(N·H), from the reference's prior_terms) and a tile reads it with one gather
-by offset. SSMax's c = s·ln n_i is a per-row vector (ln n_i a host table like lo), and the softmax
+by offset. SSMax's c = s·ln n_i is a per-row vector (ln n_i a host table like lo; per head with
+AttentionOptions.ssmax_key_cap, n_i at most the head's cap: nothing per score), and the softmax
 scale and log2(e) fold into q·k's row factor f, so the logits come out in log2 units, q·k·f + prior·c
 (or + prior), and p = exp2(logits - m): the only transcendental per score. Each row's max m and
 log2 of its sum are stored apart (STATS; one log-sum-exp of magnitude 10³-10⁴, which q, k × 30 or a
@@ -110,14 +111,15 @@ def _load_rows(ptr, offs, offs_d, stride_n, stride_d, n, d, UPCAST: tl.constexpr
 
 
 @triton.jit
-def _row_scales(LOGN, S, h, b, slob, offs_m, n, scale, HAS_SSMAX: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Per row of offs_m: (f, c, ln n_i). f multiplies q·k in the logits in log2 units, scale·log2(e)·c;
-    c = s·ln n_i is SSMax's factor (1 without SSMax, where ln n_i is 0)."""
+def _row_scales(LOGN, S, offs_m, n, scale, HAS_SSMAX: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per row of offs_m: (f, c, ln n_i), LOGN and S at this (batch, head)'s row and s. f multiplies
+    q·k in the logits in log2 units, scale·log2(e)·c; c = s·ln n_i is SSMax's factor (1 without
+    SSMax, where ln n_i is 0)."""
     log_n = tl.zeros([BLOCK_M], tl.float32)
     c = log_n + 1.0
     if HAS_SSMAX:
-        log_n = tl.load(LOGN + b * slob + offs_m, mask=offs_m < n, other=0.0)
-        c = tl.load(S + h) * log_n
+        log_n = tl.load(LOGN + offs_m, mask=offs_m < n, other=0.0)
+        c = tl.load(S) * log_n
     return c * (scale * LOG2E_C), c, log_n
 
 
@@ -210,6 +212,8 @@ def fwd_kernel(
     svn,
     svd,
     slob,
+    slnb,
+    slnh,
     H,
     GROUP,
     N,
@@ -238,7 +242,7 @@ def fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     lo_m = tl.load(LO + b * slob + offs_m, mask=offs_m < N, other=0)
     q = _load_rows(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, sqd, N, D, UPCAST)
-    f, c, _ = _row_scales(LOGN, S, h, b, slob, offs_m, N, scale, HAS_SSMAX, BLOCK_M)
+    f, c, _ = _row_scales(LOGN + b * slnb + h * slnh, S + h, offs_m, N, scale, HAS_SSMAX, BLOCK_M)
 
     # Online softmax in log2 units: one exp2 per score.
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -317,6 +321,8 @@ def bwd_dkdv_kernel(
     sdn,
     sdd,
     slob,
+    slnb,
+    slnh,
     H,
     GROUP,
     N,
@@ -371,7 +377,7 @@ def bwd_dkdv_kernel(
             m2 = tl.load(STATS + (pid_bh * N + offs_m) * 2, mask=row_ok, other=0.0)
             l2 = tl.load(STATS + (pid_bh * N + offs_m) * 2 + 1, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + pid_bh * N + offs_m, mask=row_ok, other=0.0)
-            f, c, _ = _row_scales(LOGN, S, h, b, slob, offs_m, N, scale, HAS_SSMAX, BLOCK_M)
+            f, c, _ = _row_scales(LOGN + b * slnb + h * slnh, S + h, offs_m, N, scale, HAS_SSMAX, BLOCK_M)
             # Transposed tiles (keys × queries): p^T and dlogits^T are dv's and dk's left operands.
             logits_t = tile(
                 q, k, offs_m, offs_n, lo_m, N, f, c, TABLE + h * N, HAS_PRIOR, HAS_SSMAX, BEFORE, PRECISION, True
@@ -424,6 +430,8 @@ def bwd_dq_kernel(
     sdn,
     sdd,
     slob,
+    slnb,
+    slnh,
     H,
     GROUP,
     N,
@@ -457,7 +465,7 @@ def bwd_dq_kernel(
     m2 = tl.load(STATS + (pid_bh * N + offs_m) * 2, mask=row_ok, other=0.0)
     l2 = tl.load(STATS + (pid_bh * N + offs_m) * 2 + 1, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + pid_bh * N + offs_m, mask=row_ok, other=0.0)
-    f, c, log_n = _row_scales(LOGN, S, h, b, slob, offs_m, N, scale, HAS_SSMAX, BLOCK_M)
+    f, c, log_n = _row_scales(LOGN + b * slnb + h * slnh, S + h, offs_m, N, scale, HAS_SSMAX, BLOCK_M)
     # The head's tables: the prior (log2 units), then its derivatives per unit dL/dprior.
     prior_tab = TABLE + h * N
     alpha_tab = prior_tab + H * N
@@ -613,7 +621,7 @@ def live_ranges(q, k, prior, c, scale: float, row_max, scaled: bool, group: int)
     return spans(-1), spans(-2)
 
 
-def _skip_inputs(q, k, lo, rows: tuple, scale: float, before: bool, row_max: Tensor | None = None) -> dict:
+def _skip_inputs(q, k, rows: tuple, scale: float, before: bool, row_max: Tensor | None = None) -> dict:
     """The LIVE table (live_ranges' key spans, or its row spans with `rows_of_keys`) and G for a
     launch: the forward's from each row's diagonal logit, a lower bound of its max (always allowed),
     the backward's from `row_max`, the forward's maxima. Placeholders with SKIP off (no prior)."""
@@ -623,7 +631,7 @@ def _skip_inputs(q, k, lo, rows: tuple, scale: float, before: bool, row_max: Ten
     B, H, N, _ = q.shape
     c = None
     if s is not q:  # SSMax: c_i = s·ln n_i
-        c = s[None, :, None] * key_count_log(lo, torch.arange(N, device=q.device), torch.float32)[:, None, :]
+        c = s[None, :, None] * rows[0]
     scaled = c is not None and not before
     if row_max is None:
         # q_i·k_i per query head, its group's key/value head read in place (no copy of k per head).
@@ -636,19 +644,26 @@ def _skip_inputs(q, k, lo, rows: tuple, scale: float, before: bool, row_max: Ten
     return dict(key_spans=key_spans, row_spans=row_spans, G=group)
 
 
-def _row_inputs(q: Tensor, lo: Tensor, alpha, beta, mu, s, **tables) -> tuple:
-    """(LOGN, TABLE, S) launch arguments: ln n_i per row (B or 1, N) and s with SSMax, the prior's
-    tables with a prior; q in place of those absent (their flags are off, they are never read)."""
+def _row_inputs(q: Tensor, lo: Tensor, alpha, beta, mu, s, key_cap=None, **tables) -> tuple:
+    """(LOGN, TABLE, S) launch arguments: ln n_i per row (B or 1, 1, N), or per head (B or 1, H, N) at
+    most ln of its `key_cap` (AttentionOptions.ssmax_key_cap), and s with SSMax; the prior's tables
+    with a prior; q in place of those absent (their flags are off, they are never read)."""
     N = q.shape[2]
-    log_n = None if s is None else key_count_log(lo, torch.arange(N, device=q.device), torch.float32)
+    log_n = None
+    if s is not None:
+        log_n = key_count_log(lo, torch.arange(N, device=q.device), torch.float32)[:, None]
+        if key_cap is not None:  # ln is monotonic: min(ln n, ln cap) = ln min(n, cap)
+            log_n = torch.minimum(log_n, key_cap.detach().float().log()[None, :, None]).contiguous()
     table = None if alpha is None else prior_tables(alpha, beta, mu, N, q.device, **tables)
     s = None if s is None else s.detach().float().contiguous()
     return tuple(q if t is None else t for t in (log_n, table, s))
 
 
-def _launch_args(q, k, lo, alpha, s):
-    """Arguments shared by the three kernels' launches (shapes, feature flags, dot precision)."""
+def _launch_args(q, k, lo, alpha, s, rows: tuple):
+    """Arguments shared by the three kernels' launches (shapes, feature flags, dot precision, the
+    strides of the row tables: 0 along an axis a table shares)."""
     B, H, N, D = q.shape
+    log_n = rows[0]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: no TF32 rounding
     return dict(
         H=H,
@@ -662,19 +677,35 @@ def _launch_args(q, k, lo, alpha, s):
         HAS_SSMAX=s is not None,
         SKIP=alpha is not None and SKIP_EMPTY_TILES,
         slob=lo.stride(0) if lo.shape[0] > 1 else 0,
+        slnb=log_n.stride(0) if s is not None and log_n.shape[0] > 1 else 0,
+        slnh=log_n.stride(1) if s is not None and log_n.shape[1] > 1 else 0,
     )
 
 
 def forward(
-    q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior: bool, scale: float, out: Tensor, stats: Tensor, top: Tensor
+    q,
+    k,
+    v,
+    lo,
+    alpha,
+    beta,
+    mu,
+    s,
+    ssmax_before_prior: bool,
+    scale: float,
+    out: Tensor,
+    stats: Tensor,
+    top: Tensor,
+    key_cap: Tensor | None = None,
 ) -> None:
     """Fill out (B, H, N, BLOCK_D) fp32, stats (B, H, N, 2) fp32 (each row's logit max and log2 of its
-    sum, log2 units) and top (B, H, N) int32 (the key of the max); lo (B or 1, N) int32 key starts.
-    k, v may have H_kv | H heads (query head h reads head h // (H // H_kv))."""
+    sum, log2 units) and top (B, H, N) int32 (the key of the max); lo (B or 1, N) int32 key starts;
+    key_cap (H,) or None: SSMax's key cap per head. k, v may have H_kv | H heads (query head h reads
+    head h // (H // H_kv))."""
     B, H, N, _ = q.shape
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
-    rows = _row_inputs(q, lo, alpha, beta, mu, s)
-    skip = _skip_inputs(q, k, lo, rows, scale, ssmax_before_prior)
+    rows = _row_inputs(q, lo, alpha, beta, mu, s, key_cap)
+    skip = _skip_inputs(q, k, rows, scale, ssmax_before_prior)
     fwd_kernel[grid](
         q,
         k,
@@ -691,7 +722,7 @@ def forward(
         scale=scale,
         G=skip["G"],
         BEFORE=ssmax_before_prior,
-        **_launch_args(q, k, lo, alpha, s),
+        **_launch_args(q, k, lo, alpha, s, rows),
     )
 
 
@@ -715,6 +746,7 @@ def backward(
     dk: Tensor,
     dv: Tensor,
     mu_grad: bool = True,
+    key_cap: Tensor | None = None,
 ) -> Tensor:
     """Fill dq (B, H, N, D) and dk, dv (B, H_kv, N, D), contiguous (dk, dv summed over each group's
     query heads); return (H, 4) fp32 gradients of θα, θβ, μ, s (μ's is 0 unless mu_grad: the
@@ -724,12 +756,12 @@ def backward(
     (a row with one key otherwise gets rounding noise times the prior's large derivative).
     """
     B, H, N, D = q.shape
-    args = _launch_args(q, k, lo, alpha, s)
     has_mu = mu is not None and mu_grad
     delta = (dout.float() * out[..., :D]).sum(-1).contiguous()
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
-    rows = _row_inputs(q, lo, alpha, beta, mu, s, weights=True, mu_weights=has_mu)
-    skip = _skip_inputs(q, k, lo, rows, scale, ssmax_before_prior, row_max=stats[..., 0])
+    rows = _row_inputs(q, lo, alpha, beta, mu, s, key_cap, weights=True, mu_weights=has_mu)
+    args = _launch_args(q, k, lo, alpha, s, rows)
+    skip = _skip_inputs(q, k, rows, scale, ssmax_before_prior, row_max=stats[..., 0])
     # One program per (key block, batch·kv head), looping over the group's query heads; it reads the
     # prior's table only (the first of the tables).
     bwd_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), B * k.shape[1])](
@@ -779,20 +811,20 @@ def backward(
 
 class _BAMAttentionTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, alpha, beta, mu, s, lo, last, ssmax_before_prior, scale):
+    def forward(ctx, q, k, v, alpha, beta, mu, s, lo, last, ssmax_before_prior, scale, key_cap):
         B, H, N, D = q.shape
         out = torch.empty(B, H, N, max(16, triton.next_power_of_2(D)), dtype=torch.float32, device=q.device)
         stats = torch.empty(B, H, N, 2, dtype=torch.float32, device=q.device)
         top = torch.empty(B, H, N, dtype=torch.int32, device=q.device)
-        forward(q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior, scale, out, stats, top)
-        ctx.save_for_backward(q, k, v, out, stats, top, lo, last, alpha, beta, mu, s)
+        forward(q, k, v, lo, alpha, beta, mu, s, ssmax_before_prior, scale, out, stats, top, key_cap)
+        ctx.save_for_backward(q, k, v, out, stats, top, lo, last, alpha, beta, mu, s, key_cap)
         ctx.cfg = (ssmax_before_prior, scale)
         return out[..., :D].to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, stats, top, lo, last, alpha, beta, mu, s = ctx.saved_tensors
+        q, k, v, out, stats, top, lo, last, alpha, beta, mu, s, key_cap = ctx.saved_tensors
         ssmax_before_prior, scale = ctx.cfg
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         heads = backward(
@@ -815,6 +847,7 @@ class _BAMAttentionTriton(torch.autograd.Function):
             dk,
             dv,
             mu_grad=ctx.needs_input_grad[5],
+            key_cap=key_cap,
         )
         da, db, dm, ds = heads.unbind(1)
         if mu is not None:
@@ -822,6 +855,7 @@ class _BAMAttentionTriton(torch.autograd.Function):
         grads = zip((dq, dk, dv, da, db, dm, ds), (q, k, v, alpha, beta, mu, s))
         return (
             *(g.to(t.dtype) if ctx.needs_input_grad[i] else None for i, (g, t) in enumerate(grads)),
+            None,
             None,
             None,
             None,
@@ -852,5 +886,13 @@ def bam_attention_triton(q: Tensor, k: Tensor, v: Tensor, options: AttentionOpti
     N, D = q.shape[-2:]
     lo, last = key_bounds(options.doc_ids, options.window, N, q.device)
     return _BAMAttentionTriton.apply(
-        q, k, v, *options.head_tensors, lo, last, options.ssmax_before_prior, options.head_scale(D)
+        q,
+        k,
+        v,
+        *options.head_tensors,
+        lo,
+        last,
+        options.ssmax_before_prior,
+        options.head_scale(D),
+        options.ssmax_key_cap,
     )

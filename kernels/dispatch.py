@@ -29,8 +29,9 @@ PyTorch forms, which inductor fuses where torch.compile traces them (train.compi
 mLSTM ops themselves run outside the compiled graphs, megabam/parallel/compile.py).
 
 A call long enough to reach an SSMax key cap (AttentionOptions.ssmax_key_cap: past the training
-length) goes to the PyTorch reference on any device and in any mode: only it and the dense ops of
-streaming inference apply the cap, and no training call reaches it.
+length, so evaluation only) runs where the cap is applied: the Triton kernel on CUDA (mode auto or
+triton), else the PyTorch reference (the C kernel, torch's and FlexAttention do not apply it; the
+dense ops of streaming inference do).
 
 Mode `auto` makes that choice; `triton` or `reference` (the PyTorch reference everywhere, the oracle
 of the kernels' tests) forces one. The mode comes from the config key `model.kernels` (passed here as
@@ -218,9 +219,8 @@ def attention(
         return v.shape[-1] == q.shape[-1] and c_tiles_built() and (not sdpa_applies or c_tiles_wide())
 
     if key_cap_reached(q, options):
-        choice = "reference"
-        log_choice(
-            "attention", mode_of(backend), choice, q, "an SSMax key cap is reached: only the tiled op applies it"
+        choice = choose(
+            backend, q, cuda_choice=lambda: ("triton", "an SSMax key cap is reached: the kernel applies it")
         )
     else:
         choice = choose(
@@ -255,7 +255,7 @@ def attention(
 def key_cap_reached(q: Tensor, options: AttentionOptions) -> bool:
     """Whether some row of this call may count more keys than a head's SSMax key cap: rows count at
     most N keys, so calls no longer than the smallest cap (every training call, the cap being at
-    least data.seq_len) run on the fused kernels, which do not apply it."""
+    least data.seq_len) take any op, the cap changing nothing there."""
     return options.ssmax_key_cap is not None and q.shape[-2] > float(options.ssmax_key_cap.min())
 
 

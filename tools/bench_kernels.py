@@ -235,8 +235,8 @@ class Bench:
         return median_ms(step, self.args.reps, self.device == "cuda")
 
     def check(self) -> bool:
-        """The kernel (also with GQA) and Flex vs the reference on the same values; True when all are
-        close."""
+        """The kernel (also with GQA and with SSMax's key cap) and Flex vs the reference on the same
+        values; True when all are close."""
         torch = self.torch
         # The first timed shape, so compiled Flex and the autotuned kernel are reused by the timings.
         n = min(self.args.lengths)
@@ -253,9 +253,14 @@ class Bench:
         def bam(x):
             return self.fused(*x[:3], self.options_of(x, **masks))
 
+        # SSMax's key count capped at n/8 in every head (AttentionOptions.ssmax_key_cap: evaluation past
+        # the training length, which the dispatch sends to the kernel on CUDA).
+        capped = dict(masks, ssmax_key_cap=torch.full((self.args.heads,), n / 8, device=self.device))
+
         ok = True
         mha = setup(self.args.heads)
         cases = [("bam", bam, masks, *mha)]
+        cases.append(("bam key cap", lambda x: self.fused(*x[:3], self.options_of(x, **capped)), capped, *mha))
         if "flex" in self.args.variants:
             cases.append(("flex", lambda x: self.flex(x, n // 4, doc), masks, *mha))
         if "sdpa" in self.args.variants:

@@ -26,6 +26,7 @@ def test_bench_dry_run():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "check bam dv: max rel err" in done.stdout and "| 48 | 16 | fwd+bwd | bam |" in done.stdout
     assert "check bam gqa 4/2 dk: max rel err" in done.stdout
+    assert "check bam key cap dv: max rel err" in done.stdout
     assert "| 48 | causal | fwd+bwd | bam gqa 4/2 |" in done.stdout
     assert "| 48 | causal | fwd+bwd | sdpa gqa 4/2 |" in done.stdout
     assert "check mlstm bfloat16 df: max rel err" in done.stdout

@@ -10,6 +10,7 @@ TRITON_INTERPRET=1 is set before the kernel modules are imported, as in tests/un
 """
 
 import logging
+import math
 import os
 
 import pytest
@@ -294,6 +295,24 @@ def test_auto_on_cuda_runs_sdpa_flex_or_the_kernel_and_logs_why(cuda_ops, caplog
     ]
     for got, want in zip(auto + off + forced, references + references[:4] + references[2:3] * 2):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_call_past_an_ssmax_key_cap_runs_the_kernel_on_cuda(cuda_ops, caplog):
+    """Evaluation past the training length with ssmax_key_cap: on CUDA the Triton kernel, which applies
+    the cap (the same call uncapped, a fixed prior under no_grad, takes FlexAttention, which does not);
+    mode reference keeps the reference, which applies it too."""
+    caps = torch.tensor([math.inf, 5.0, 12.0])
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        capped = _call(prior=True, ssmax_key_cap=caps)
+        plain = _call(prior=True)
+        reference = _call("reference", prior=True, ssmax_key_cap=caps)
+    assert cuda_ops == ["triton", "flex", "reference"]
+    assert caplog.records[0].getMessage() == (
+        "attention op: triton (mode auto, cpu tensors): an SSMax key cap is reached: the kernel applies it"
+    )
+    torch.testing.assert_close(capped, reference, rtol=1e-5, atol=1e-5)
+    assert (capped - plain).abs().max() > 1e-2  # the cap changes the result
 
 
 def test_the_cuda_rule_by_prior_ssmax_masks_and_dynamo(monkeypatch):
