@@ -317,8 +317,8 @@ class AttentionOptions:
     SSMax (ssmax_s (H,) given): with n_i the number of keys row i may attend to, logits are
     (q·k·scale + prior)·s·ln n_i, or q·k·scale·s·ln n_i + prior if ssmax_before_prior.
     `ssmax_key_cap` ((H,), or None): the most keys SSMax counts in each head, n_i replaced by
-    min(n_i, cap_h) (inf: no cap). The tiled op (bam_attention), the dense ones and the Triton
-    kernel apply it; kernels/dispatch.py sends them every call long enough to reach a cap.
+    min(n_i, cap_h) (inf: no cap). The tiled op (bam_attention), the dense ones and the C and
+    Triton kernels apply it; kernels/dispatch.py sends them every call long enough to reach a cap.
     θα, θβ, θμ and s are per query head; gradients flow to each one that requires grad. `scale`
     defaults to 1/sqrt(D). `block_size`: query rows per tile of the tiled ops, whose memory is
     O(block_size · keys); the fused kernels choose their own tiles.

@@ -19,7 +19,7 @@
  * documents: row i sees keys lo_i .. i), kstart[b * ks_b + blk] the first key any row of query block
  * blk sees; prior (or NULL) a table per head (stride prior_h) of the prior at offset m = N - 1 - (j - i),
  * ROWS entries longer than 2N - 1 (the last block's padding rows read it); pscale[b * ps_b + h * ps_h
- * + i] multiplies the prior (SSMax's c_i; NULL for 1), wscale[b * ws_b + i] weights the prior's
+ * + i] multiplies the prior (SSMax's c_i; NULL for 1), wscale[b * ws_b + h * ws_h + i] weights the prior's
  * gradient sums (NULL for 1); sums (B·H, stride sums_bh) receive them at the table's offsets.
  */
 /* The exp and prior loops below are left to the compiler's vectoriser, which GCC keeps to 256-bit
@@ -110,15 +110,15 @@ void flash_forward_f32(const T *q, const T *k, const T *v, T *out, T *stats, int
 
 void flash_backward_f32(const T *q, const T *k, const T *v, const T *dout, const T *stats, const int64_t *top,
                         const T *delta, T *dq, T *rowsum, T *dk, T *dv, const T *prior, int64_t prior_h,
-                        const T *pscale, int64_t ps_b, int64_t ps_h, const T *wscale, int64_t ws_b, T *sums,
-                        int64_t sums_bh, const int64_t *lo, int64_t lo_b, const int64_t *kstart, int64_t ks_b,
+                        const T *pscale, int64_t ps_b, int64_t ps_h, const T *wscale, int64_t ws_b, int64_t ws_h,
+                        T *sums, int64_t sums_bh, const int64_t *lo, int64_t lo_b, const int64_t *kstart, int64_t ks_b,
                         int64_t B, int64_t H, int64_t N, int64_t D) {
     typeof(backward_f32_any) *backward = D == 32    ? backward_f32_32
                                          : D == 64  ? backward_f32_64
                                          : D == 128 ? backward_f32_128
                                                     : backward_f32_any;
     backward(q, k, v, dout, stats, top, delta, dq, rowsum, dk, dv, prior, prior_h, pscale, ps_b, ps_h, wscale, ws_b,
-             sums, sums_bh, lo, lo_b, kstart, ks_b, B, H, N, D);
+             ws_h, sums, sums_bh, lo, lo_b, kstart, ks_b, B, H, N, D);
 }
 
 #undef T
@@ -147,9 +147,9 @@ void flash_forward_f64(const T *q, const T *k, const T *v, T *out, T *stats, int
 
 void flash_backward_f64(const T *q, const T *k, const T *v, const T *dout, const T *stats, const int64_t *top,
                         const T *delta, T *dq, T *rowsum, T *dk, T *dv, const T *prior, int64_t prior_h,
-                        const T *pscale, int64_t ps_b, int64_t ps_h, const T *wscale, int64_t ws_b, T *sums,
-                        int64_t sums_bh, const int64_t *lo, int64_t lo_b, const int64_t *kstart, int64_t ks_b,
+                        const T *pscale, int64_t ps_b, int64_t ps_h, const T *wscale, int64_t ws_b, int64_t ws_h,
+                        T *sums, int64_t sums_bh, const int64_t *lo, int64_t lo_b, const int64_t *kstart, int64_t ks_b,
                         int64_t B, int64_t H, int64_t N, int64_t D) {
     backward_f64_any(q, k, v, dout, stats, top, delta, dq, rowsum, dk, dv, prior, prior_h, pscale, ps_b, ps_h, wscale,
-                     ws_b, sums, sums_bh, lo, lo_b, kstart, ks_b, B, H, N, D);
+                     ws_b, ws_h, sums, sums_bh, lo, lo_b, kstart, ks_b, B, H, N, D);
 }

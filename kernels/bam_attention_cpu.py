@@ -11,8 +11,8 @@ prior_grads makes dθ. The earlier form of this op left the products to torch an
 tile's elementwise passes; written tiles of block × N values went through memory, and the op ran at
 1.3-1.5x torch's causal attention's time; this one at 0.72-0.91x of it (AVX-512, with a prior or
 without), so that kernels/dispatch.py runs it for every CPU call there (docs/benchmarks.md, "CPU
-kernels"). Same arguments, masks, compute dtype and result as bam_attention (v's head width must be q's);
-its tests compare the two.
+kernels"). Same arguments, masks, SSMax key cap (ln n_i then per head in its row tables), compute
+dtype and result as bam_attention (v's head width must be q's); its tests compare the two.
 
 The C source is compiled at first use (kernels/cpu_build.py). Without a compiler `library()` is None and
 kernels/dispatch.py keeps torch's fused attention or the reference.
@@ -30,6 +30,7 @@ from torch.autograd.function import once_differentiable
 from megabam.kernels.bam_attention import (
     AttentionOptions,
     bam_params,
+    capped_log,
     key_count_log,
     prior_grads,
     prior_scaled,
@@ -42,7 +43,7 @@ from megabam.kernels.precision import compute_dtype
 
 SOURCE = Path(__file__).with_name("bam_attention_cpu.c")
 FORWARD_ARGS = [P] * 7 + [I64, P, I64, I64, P, I64, P] + [I64] * 5  # bam_attention_cpu.c's order
-BACKWARD_ARGS = [P] * 12 + [I64, P, I64, I64, P, I64, P, I64, P, I64, P] + [I64] * 5
+BACKWARD_ARGS = [P] * 12 + [I64, P, I64, I64, P, I64, I64, P, I64, P, I64, P] + [I64] * 5
 
 
 @functools.cache
@@ -76,18 +77,18 @@ class CallTables(NamedTuple):
 
     qf: Tensor  # q·f (B, H, N, D): the queries times the scale and SSMax's c (query_factor)
     f: Tensor | float
-    log_n: Tensor | None  # ln n_i (B or 1, 1, N, 1), None without SSMax
+    log_n: Tensor | None  # ln n_i (B or 1, 1 or H (a key cap), N, 1), None without SSMax
     prior: tuple | None  # prior_terms at the offsets j - i = N - 1 - m, m = 0 .. 2N - 2
     table: Tensor | None  # prior[0] padded with a block of zeros (the last block's padding rows read it)
     pscale: Tensor | None  # the prior's row scale c_i (B or 1, H, N) when SSMax scales it, else None
-    weight: Tensor | None  # the prior gradient's row weight ln n_i (B or 1, N), likewise
+    weight: Tensor | None  # the prior gradient's row weight ln n_i (B or 1, H, N; a view), likewise
     kstart: Tensor  # (B or 1, blocks): the first key any row of each query block sees
 
 
 def call_tables(q: Tensor, lo: Tensor, p) -> CallTables:
     """The CallTables of queries q (B, H, N, D) in the compute dtype, key starts lo and BamParams p."""
     N = q.shape[-2]
-    log_n = None if p.s is None else key_count_log(lo, torch.arange(N), q.dtype)[:, None, :, None]
+    log_n = None if p.s is None else capped_log(key_count_log(lo, torch.arange(N), q.dtype)[:, None, :, None], p)
     f = query_factor(p, log_n)
     prior = table = None if p.alpha is None else prior_terms(p, (N - 1) - torch.arange(2 * N - 1))
     if prior is not None:
@@ -95,7 +96,7 @@ def call_tables(q: Tensor, lo: Tensor, p) -> CallTables:
     pscale = weight = None
     if prior is not None and prior_scaled(p):
         pscale = (p.s[None, :, None] * log_n[:, :, :, 0]).contiguous()
-        weight = log_n[:, 0, :, 0].contiguous()
+        weight = log_n[:, :, :, 0].expand(-1, q.shape[1], -1)  # the heads share it (stride 0) unless capped
     return CallTables((q * f).contiguous(), f, log_n, prior, table, pscale, weight, block_key_starts(lo, N))
 
 
@@ -127,10 +128,10 @@ def mask_arguments(tb: CallTables, lo: Tensor) -> list:
 
 class _BAMAttentionCPU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, alpha, beta, mu, s, lo, ssmax_before_prior, scale):
+    def forward(ctx, q, k, v, alpha, beta, mu, s, lo, ssmax_before_prior, scale, key_cap):
         dtype = compute_dtype(q)
         forward = library().flash_forward_f64 if dtype == torch.float64 else library().flash_forward_f32
-        p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale)
+        p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale, key_cap)
         B, H, N, D = q.shape
         kc, vc, lo = k.to(dtype).contiguous(), v.to(dtype).contiguous(), lo.contiguous()
         tb = call_tables(q.to(dtype), lo, p)
@@ -139,18 +140,18 @@ class _BAMAttentionCPU(torch.autograd.Function):
         top = torch.empty(B, H, N, dtype=torch.int64)  # the key of that max
         tensors = (tb.qf, kc, vc, out, stats, top)
         forward(*(t.data_ptr() for t in tensors), *prior_arguments(tb), *mask_arguments(tb, lo), B, H, N, D)
-        ctx.save_for_backward(q, kc, vc, out, lo, stats, top, alpha, beta, mu, s)
+        ctx.save_for_backward(q, kc, vc, out, lo, stats, top, alpha, beta, mu, s, key_cap)
         ctx.cfg = (ssmax_before_prior, scale, k.dtype, v.dtype)
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, kc, vc, out, lo, stats, top, alpha, beta, mu, s = ctx.saved_tensors
+        q, kc, vc, out, lo, stats, top, alpha, beta, mu, s, key_cap = ctx.saved_tensors
         ssmax_before_prior, scale, k_dtype, v_dtype = ctx.cfg
         dtype = compute_dtype(q)
         backward = library().flash_backward_f64 if dtype == torch.float64 else library().flash_backward_f32
-        p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale)
+        p = bam_params(dtype, (alpha, beta, mu, s), ssmax_before_prior, scale, key_cap)
         B, H, N, D = q.shape
         qc = q.to(dtype)
         tb = call_tables(qc, lo, p)
@@ -163,7 +164,7 @@ class _BAMAttentionCPU(torch.autograd.Function):
         backward(
             *(t.data_ptr() for t in tensors),
             *prior_arguments(tb),
-            *(ptr(tb.weight), row_strides(tb.weight)[0], ptr(sums), 0 if sums is None else sums.shape[2]),
+            *(ptr(tb.weight), *row_strides(tb.weight, 2), ptr(sums), 0 if sums is None else sums.shape[2]),
             *mask_arguments(tb, lo),
             *(B, H, N, D),
         )
@@ -183,7 +184,7 @@ class _BAMAttentionCPU(torch.autograd.Function):
         dtypes = (q.dtype, k_dtype, v_dtype, *(None if t is None else t.dtype for t in (alpha, beta, mu, s)))
         grads = (dq, dk, dv, da, db, dm, ds)
         needed = (g.to(t) if ctx.needs_input_grad[i] else None for i, (g, t) in enumerate(zip(grads, dtypes)))
-        return (*needed, None, None, None)
+        return (*needed, None, None, None, None)
 
 
 def bam_attention_cpu(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions = AttentionOptions()) -> Tensor:
@@ -196,4 +197,6 @@ def bam_attention_cpu(q: Tensor, k: Tensor, v: Tensor, options: AttentionOptions
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"bam_attention_cpu needs v's head width to be q's, got {v.shape[-1]} and {q.shape[-1]}")
     k, v, lo, scale = tiled_inputs(q, k, v, options)
-    return _BAMAttentionCPU.apply(q, k, v, *options.head_tensors, lo, options.ssmax_before_prior, scale)
+    return _BAMAttentionCPU.apply(
+        q, k, v, *options.head_tensors, lo, options.ssmax_before_prior, scale, options.ssmax_key_cap
+    )

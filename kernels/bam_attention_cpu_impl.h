@@ -192,9 +192,9 @@ static void NAME(forward)(const T *q, const T *k, const T *v, T *out, T *stats, 
  * that rest into spurious gradients of θ; a row whose softmax is one key now adds exactly 0. */
 static void NAME(backward)(const T *q, const T *k, const T *v, const T *dout, const T *stats, const int64_t *top,
                            const T *delta, T *dq, T *rowsum, T *dk, T *dv, const T *prior, int64_t prior_h,
-                           const T *pscale, int64_t ps_b, int64_t ps_h, const T *wscale, int64_t ws_b, T *sums,
-                           int64_t sums_bh, const int64_t *lo, int64_t lo_b, const int64_t *kstart, int64_t ks_b,
-                           int64_t B, int64_t H, int64_t N, int64_t D) {
+                           const T *pscale, int64_t ps_b, int64_t ps_h, const T *wscale, int64_t ws_b, int64_t ws_h,
+                           T *sums, int64_t sums_bh, const int64_t *lo, int64_t lo_b, const int64_t *kstart,
+                           int64_t ks_b, int64_t B, int64_t H, int64_t N, int64_t D) {
     const int64_t blocks = (N + ROWS - 1) / ROWS;
 #pragma omp parallel
     {
@@ -225,7 +225,7 @@ static void NAME(backward)(const T *q, const T *k, const T *v, const T *dout, co
                     tj[r] = r < R ? (T)top[bh * N + qs + r] : -1;
                     rs[r] = held[r] = 0;
                     dl[r] = r < R ? delta[bh * N + qs + r] : 0;
-                    w[r] = r < R && wscale ? wscale[b * ws_b + qs + r] : 1;
+                    w[r] = r < R && wscale ? wscale[b * ws_b + h * ws_h + qs + r] : 1;
                     one[r] = lor[r] == qs + r;
                 }
                 for (int64_t d = 0; d < KD; d++)

@@ -29,9 +29,9 @@ PyTorch forms, which inductor fuses where torch.compile traces them (train.compi
 mLSTM ops themselves run outside the compiled graphs, megabam/parallel/compile.py).
 
 A call long enough to reach an SSMax key cap (AttentionOptions.ssmax_key_cap: past the training
-length, so evaluation only) runs where the cap is applied: the Triton kernel on CUDA (mode auto or
-triton), else the PyTorch reference (the C kernel, torch's and FlexAttention do not apply it; the
-dense ops of streaming inference do).
+length, so evaluation only) runs on an op that applies the cap: the Triton kernel on CUDA, the C
+kernel on CPU where it applies, else the PyTorch reference (torch's kernels and FlexAttention do not
+apply it; the dense ops of streaming inference do).
 
 Mode `auto` makes that choice; `triton` or `reference` (the PyTorch reference everywhere, the oracle
 of the kernels' tests) forces one. The mode comes from the config key `model.kernels` (passed here as
@@ -218,18 +218,11 @@ def attention(
     def c_tiles_apply() -> bool:
         return v.shape[-1] == q.shape[-1] and c_tiles_built() and (not sdpa_applies or c_tiles_wide())
 
-    if key_cap_reached(q, options):
-        choice = choose(
-            backend, q, cuda_choice=lambda: ("triton", "an SSMax key cap is reached: the kernel applies it")
-        )
-    else:
-        choice = choose(
-            backend,
-            q,
-            sdpa_applies=sdpa_applies,
-            c_tiles_apply=c_tiles_apply,
-            cuda_choice=lambda: cuda_attention_choice(q, k, options),
-        )
+    cuda_choice = lambda: cuda_attention_choice(q, k, options)  # noqa: E731
+    if key_cap_reached(q, options):  # only the C and Triton kernels and the tiled op apply the cap
+        sdpa_applies = False
+        cuda_choice = lambda: ("triton", "an SSMax key cap is reached: the kernel applies it")  # noqa: E731
+    choice = choose(backend, q, sdpa_applies=sdpa_applies, c_tiles_apply=c_tiles_apply, cuda_choice=cuda_choice)
     if choice == "c_tiles":
         op = importlib.import_module(C_TILES).bam_attention_cpu
     elif choice == "triton":

@@ -41,12 +41,17 @@ def options(ins, **fields):
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("doc", [False, True])
 @pytest.mark.parametrize("before", [False, True])
-def test_capped_op_matches_the_plain_formula(before, doc, window):
-    """The tiled op's output and every gradient against float64 attention written from the formula
-    with n_i replaced by min(n_i, cap_h)."""
+@pytest.mark.parametrize("op", ["tiled", "c_tiles"])
+def test_capped_op_matches_the_plain_formula(op, before, doc, window):
+    """The tiled op's and the C kernel's output and every gradient, in float64, against attention
+    written from the formula with n_i replaced by min(n_i, cap_h). (The Triton kernel's:
+    tests/unit/test_kernels_triton.py.)"""
+    if op == "c_tiles" and c_tiles.library() is None:
+        pytest.skip("the C kernel does not build here")
     ins = inputs(2)
     masks = dict(doc_ids=DOCS if doc else None, window=window)
-    out = bam_attention(*ins[:3], options(ins, ssmax_before_prior=before, ssmax_key_cap=CAPS, **masks))
+    run = bam_attention if op == "tiled" else c_tiles.bam_attention_cpu
+    out = run(*ins[:3], options(ins, ssmax_before_prior=before, ssmax_key_cap=CAPS, **masks))
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     got = (out, *torch.autograd.grad(out, ins, dout))
     ref_ins = [t.detach().requires_grad_() for t in ins]
@@ -81,15 +86,30 @@ def test_caps_no_row_reaches_change_nothing():
     assert dispatch.key_cap_reached(ins[0][:, :, :-1], options(ins, ssmax_key_cap=caps - 2))
 
 
-def test_dispatch_sends_calls_that_reach_a_cap_to_the_tiled_op(monkeypatch):
-    ran = spy_on_ops(monkeypatch, (dispatch, "bam_attention"), c_tiles=(c_tiles, "bam_attention_cpu"))
-    monkeypatch.setattr(dispatch, "c_tiles_built", lambda: True)
-    monkeypatch.setattr(dispatch, "c_tiles_wide", lambda: True)
+def test_dispatch_sends_calls_that_reach_a_cap_to_an_op_that_applies_it(monkeypatch):
+    """On CPU the C kernel applies the cap; torch's fused attention, which the dispatch picks for a
+    fixed prior where the C kernel was built for narrower vectors, does not: the C kernel takes the
+    calls that reach a cap there too, and the tiled op where the C kernel is not built."""
+    ran = spy_on_ops(
+        monkeypatch,
+        (dispatch, "bam_attention"),
+        c_tiles=(c_tiles, "bam_attention_cpu"),
+        sdpa=(dispatch.bam_attention_sdpa, "bam_attention_sdpa"),
+    )
     ins = [t.detach().float() for t in inputs(5)]
-    for caps in (torch.tensor([math.inf, 64.0, 64.0]), CAPS.float()):
-        got = dispatch.attention(*ins[:3], options(ins, ssmax_key_cap=caps))
-        torch.testing.assert_close(got, bam_attention(*ins[:3], options(ins, ssmax_key_cap=caps)))
-    assert ran == ["c_tiles", "reference"]  # cap 64 > N: the C kernel; cap 5 reached: the tiled op
+    calls = []
+    for built, wide in ((True, True), (True, False), (False, False)):
+        monkeypatch.setattr(dispatch, "c_tiles_built", lambda built=built: built)
+        monkeypatch.setattr(dispatch, "c_tiles_wide", lambda wide=wide: wide)
+        for caps in (torch.tensor([math.inf, 64.0, 64.0]), CAPS.float()):
+            with torch.no_grad():  # a fixed prior: torch's fused attention's case
+                got = dispatch.attention(*ins[:3], options(ins, ssmax_before_prior=True, ssmax_key_cap=caps))
+            calls.append((got, caps))
+    for got, caps in calls:
+        want = bam_attention(*ins[:3], options(ins, ssmax_before_prior=True, ssmax_key_cap=caps))
+        torch.testing.assert_close(got, want)
+    # per setting: cap 64 > N (the op the call would take anyway), then caps reached
+    assert ran == ["c_tiles", "c_tiles", "sdpa", "c_tiles", "sdpa", "reference"]
 
 
 def test_options_refuse_a_cap_without_ssmax():
