@@ -16,6 +16,8 @@ every key of its sequence, masked or not; `causal=False` counts that way (masked
 attention over min(window, n) keys, the recurrent cells over whole chunks), for comparing with them.
 """
 
+import functools
+
 import torch
 
 from megabam.config import Config
@@ -67,21 +69,30 @@ def window_draws(cfg: Config) -> list[tuple[int | None, float]]:
     return draws + [(anneal, w.anneal_fraction)]
 
 
+@functools.lru_cache(maxsize=4)
+def matmul_flops(model: Decoder) -> tuple[tuple[str, float], ...]:
+    """(component, forward FLOPs per token) of the weight matrices, the embedding lookup excluded:
+    walked once per model, since the planner asks for hundreds of layouts of one."""
+    flops: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        if p.dim() >= 2 and name != "embed.weight":
+            key = component(name, model.layer_types)
+            flops[key] = flops.get(key, 0.0) + 2.0 * p.numel()
+    if model.lm_head is None:  # tied: the embedding matrix is the head's matmul too
+        flops["head"] = flops.get("head", 0.0) + 2.0 * model.embed.weight.numel()
+    return tuple(flops.items())
+
+
 def forward_flops_by_component(
     model: Decoder, seq_len: int, draws=((None, 1.0),), causal: bool = True
 ) -> dict[str, float]:
     """Forward FLOPs per token per component (mixing parts as `<mixer>.<part>`), SWA layers averaged
     over the window draws; `causal`: see the module docstring."""
-    flops: dict[str, float] = {}
+    flops = dict(matmul_flops(model))
 
     def add(key: str, value: float) -> None:
         flops[key] = flops.get(key, 0.0) + value
 
-    for name, p in model.named_parameters():
-        if p.dim() >= 2 and name != "embed.weight":
-            add(component(name, model.layer_types), 2.0 * p.numel())
-    if model.lm_head is None:  # tied: the embedding matrix is the head's matmul too
-        add("head", 2.0 * model.embed.weight.numel())
     for kind, block in zip(model.layer_types, model.blocks):
         for window, share in draws:
             for part, value in block.mixer.mixing_flops(seq_len, window, causal).items():

@@ -29,6 +29,7 @@
   the block being recomputed (all at once: an upper bound) — plus 5 % for the allocator's fragmentation.
 """
 
+import functools
 from dataclasses import dataclass
 
 from megabam.config import Config
@@ -66,19 +67,29 @@ def _dtype_bytes(cfg: Config) -> int:
     return 2 if cfg.train.precision == "bf16" else 4
 
 
+@functools.lru_cache(maxsize=4)
+def parameter_sizes(model: Decoder) -> tuple[tuple[tuple[int, bool], ...], ...]:
+    """(numel, is a matrix) of each parameter of each block, then of the embedding and the untied head:
+    walked once per model, since the planner asks rank_parameters for hundreds of layouts of one."""
+    heads = [model.embed.weight, *([model.lm_head.weight] if model.lm_head is not None else [])]
+    parts = [list(block.parameters()) for block in model.blocks] + [[weight] for weight in heads]
+    return tuple(tuple((p.numel(), p.dim() >= 2) for p in part) for part in parts)
+
+
 def rank_parameters(model: Decoder, layout: Layout) -> tuple[int, int]:
     """(parameters on the fullest rank, its blocks): matrices ÷ TP, vectors whole; the first stage
     holds the embedding and ⌈L/PP⌉ blocks, the last the head (or the tied embedding) and final norm."""
     t = layout.tensor
 
-    def share(params) -> int:
-        return sum(p.numel() // t if p.dim() >= 2 else p.numel() for p in params)
+    def share(sizes) -> int:
+        return sum(n // t if matrix else n for n, matrix in sizes)
 
-    blocks = [share(b.parameters()) for b in model.blocks]
+    sizes = parameter_sizes(model)
+    blocks = [share(b) for b in sizes[: len(model.blocks)]]
     per_stage = -(-len(blocks) // layout.pipeline)
     body = sum(sorted(blocks, reverse=True)[:per_stage])
-    embedding = share([model.embed.weight])
-    head = share([model.lm_head.weight]) if model.lm_head is not None else embedding
+    embedding = share(sizes[len(model.blocks)])
+    head = share(sizes[-1]) if model.lm_head is not None else embedding
     if layout.pipeline == 1:
         return body + embedding + (head if model.lm_head is not None else 0) + model.cfg.d_model, per_stage
     return body + max(embedding, head + model.cfg.d_model), per_stage

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megabam.cli import main
 from megabam.config import load_config
 from megabam.model import Decoder
 from megabam.plan.counts import forward_flops_by_component, meta_model, params_by_component, window_draws
@@ -164,20 +165,21 @@ def test_more_recomputation_and_tensor_parallelism_need_less_memory():
     assert totals[0] > totals[1] > totals[2]
 
 
-def test_plan_command_prints_tables_and_json_and_names_bad_input(tmp_path):
-    cmd = [sys.executable, "-m", "megabam.cli", "plan", str(ROOT / "yaml_configs" / "bam_120m.yaml")]
-    table = subprocess.run([*cmd, "--gpu", "a100-80gb", "--nodes", "1"], capture_output=True, text=True, timeout=300)
-    assert table.returncode == 0, table.stderr
-    assert "config layout TP1 PP1 DP8" in table.stdout and ": fits:" in table.stdout
-    out = subprocess.run([*cmd, "--gpu", "h100-80gb", "--json"], capture_output=True, text=True, timeout=300)
-    result = json.loads(out.stdout)
+def test_plan_command_prints_tables_and_json_and_names_bad_input(capsys):
+    """The command in this process (its entry point, megabam.cli.main; a subprocess costs a torch
+    import per call): the table, the JSON and one-line errors with exit code 2."""
+    cmd = ["plan", str(ROOT / "yaml_configs" / "bam_120m.yaml")]
+    assert main([*cmd, "--gpu", "a100-80gb", "--nodes", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "config layout TP1 PP1 DP8" in table and ": fits:" in table
+    assert main([*cmd, "--gpu", "h100-80gb", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
     assert result["config_layout"]["fits"] and sum(result["parameters"].values()) == 123_587_904
-    bad = subprocess.run([*cmd, "model.n_heads=7", "--gpu", "h100-80gb"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "model.n_heads" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
-    huge = subprocess.run(
-        [*cmd, "--gpu", "h100-80gb", "--nodes", str(10**9)], capture_output=True, text=True, timeout=60
-    )
-    assert huge.returncode == 2 and huge.stderr.strip().endswith("--nodes: must lie in 1..100,000, got 1,000,000,000")
+    assert main([*cmd, "model.n_heads=7", "--gpu", "h100-80gb"]) == 2
+    bad = capsys.readouterr().err
+    assert "model.n_heads" in bad and len(bad.strip().splitlines()) == 1
+    assert main([*cmd, "--gpu", "h100-80gb", "--nodes", str(10**9)]) == 2
+    assert capsys.readouterr().err.strip().endswith("--nodes: must lie in 1..100,000, got 1,000,000,000")
 
 
 def test_meta_model_holds_no_memory():
