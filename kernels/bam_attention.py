@@ -155,13 +155,13 @@ def key_count_log(lo: Tensor, rows: Tensor, dtype) -> Tensor:
     return torch.log((rows - lo + 1).to(dtype))
 
 
-def capped_log(log_n: Tensor, p: BamParams) -> Tensor:
-    """ln n_i (.., 1, R, 1) at most ln of each head's key cap, (.., H, R, 1) where some row reaches
-    one (ssmax_key_cap; unchanged, shared by the heads, where none does). ln is monotonic, so
+def capped_log(log_n: Tensor, key_cap: Tensor | None) -> Tensor:
+    """ln n_i (.., 1, R, 1) at most ln of each head's key cap (H,), (.., H, R, 1) where some row
+    reaches one (ssmax_key_cap; unchanged, shared by the heads, where none does). ln is monotonic, so
     min(ln n, ln cap) = ln min(n, cap)."""
-    if p.key_cap is None:
+    if key_cap is None:
         return log_n
-    log_cap = p.key_cap.log()[:, None, None]
+    log_cap = key_cap.to(log_n.dtype).log()[:, None, None]
     return torch.minimum(log_n, log_cap) if bool((log_n > log_cap.min()).any()) else log_n
 
 
@@ -200,7 +200,7 @@ def block_logits(
     """
     R, C = q.shape[-2], k.shape[-2]
     rows = torch.arange(qs, qs + R, device=q.device)
-    log_n = None if p.s is None else capped_log(key_count_log(lo, rows, q.dtype)[:, None, :, None], p)
+    log_n = None if p.s is None else capped_log(key_count_log(lo, rows, q.dtype)[:, None, :, None], p.key_cap)
     f = query_factor(p, log_n)
     qf = q * f
     logits = torch.matmul(qf, k.transpose(-1, -2))
@@ -495,7 +495,7 @@ def dense_bam_weights(
     lo = q_pos.new_zeros(q_pos.shape) if window is None else (q_pos - window + 1).clamp(min=0)
     delta = k_pos[None, :] - q_pos[:, None]  # j - i, (C, S)
     allowed = (k_pos[None, :] >= lo[:, None]) & (delta <= 0)
-    log_n = None if p.s is None else capped_log(key_count_log(lo, q_pos, dtype)[:, None], p)
+    log_n = None if p.s is None else capped_log(key_count_log(lo, q_pos, dtype)[:, None], p.key_cap)
     logits = (qc * query_factor(p, log_n)) @ kc.transpose(-1, -2)
     if p.alpha is not None:
         add_prior(logits, prior_terms(p, delta.flatten())[0].view(-1, *delta.shape), log_n, p)

@@ -88,7 +88,9 @@ class CallTables(NamedTuple):
 def call_tables(q: Tensor, lo: Tensor, p) -> CallTables:
     """The CallTables of queries q (B, H, N, D) in the compute dtype, key starts lo and BamParams p."""
     N = q.shape[-2]
-    log_n = None if p.s is None else capped_log(key_count_log(lo, torch.arange(N), q.dtype)[:, None, :, None], p)
+    log_n = (
+        None if p.s is None else capped_log(key_count_log(lo, torch.arange(N), q.dtype)[:, None, :, None], p.key_cap)
+    )
     f = query_factor(p, log_n)
     prior = table = None if p.alpha is None else prior_terms(p, (N - 1) - torch.arange(2 * N - 1))
     if prior is not None:

@@ -63,6 +63,7 @@ from torch.autograd.function import once_differentiable
 from megabam.kernels.bam_attention import (
     AttentionOptions,
     bam_params,
+    capped_log,
     key_count_log,
     key_start,
     prior_terms,
@@ -651,9 +652,8 @@ def _row_inputs(q: Tensor, lo: Tensor, alpha, beta, mu, s, key_cap=None, **table
     N = q.shape[2]
     log_n = None
     if s is not None:
-        log_n = key_count_log(lo, torch.arange(N, device=q.device), torch.float32)[:, None]
-        if key_cap is not None:  # ln is monotonic: min(ln n, ln cap) = ln min(n, cap)
-            log_n = torch.minimum(log_n, key_cap.detach().float().log()[None, :, None]).contiguous()
+        log_n = key_count_log(lo, torch.arange(N, device=q.device), torch.float32)[:, None, :, None]
+        log_n = capped_log(log_n, None if key_cap is None else key_cap.detach())[..., 0].contiguous()
     table = None if alpha is None else prior_tables(alpha, beta, mu, N, q.device, **tables)
     s = None if s is None else s.detach().float().contiguous()
     return tuple(q if t is None else t for t in (log_n, table, s))

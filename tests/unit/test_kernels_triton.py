@@ -172,7 +172,7 @@ def test_ssmax_key_cap_matches_reference(heads, kv_heads, ssmax, doc, window):
     """SSMax's key count capped per head (AttentionOptions.ssmax_key_cap; inf: none): rows past a cap
     of 5 or 20 keys, at N = 37, in a local, a flat and an inverted head, with grouped kv heads,
     documents and a window. Out and every gradient (ds with the capped ln n_i) against the float64
-    reference, which applies the cap by its own code (capped_log)."""
+    reference."""
     ins = gqa_inputs(torch.float32, heads, kv_heads, seed=11)
     ins[4] = torch.linspace(1.5, -0.5, heads).requires_grad_()
     cap = torch.tensor([5.0, 20.0, math.inf, 5.0][:heads])
