@@ -18,7 +18,7 @@ from helpers.runs import ENV, REPO
 from megabam.data.corpus import python_stdlib_documents
 from megabam.data.tokenizer import train_tokenizer
 
-FILES, FILE_DOCS = 24, 120
+FILES, FILE_DOCS = 24, 40  # ~3.8 MB: ~38 tasks of 100 KB
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,13 @@
 """Load megabam exports with transformers alone, in a fresh process (any Python with torch and
 transformers; megabam's own import is blocked), and record what they compute for the export tests.
 
-    python hf_load.py RESULT.pt FOLDER [FOLDER ...]
+    python hf_load.py RESULT.pt [--cache] FOLDER [[--cache] FOLDER ...]
 
 Per folder: the logits of fixed token ids, greedy `generate()` from a fixed prompt and how many tokens
 each of its steps fed the model, the tokenizer's ids and decoding of a fixed text, what loading the
-tokenizer printed and its model_max_length, and the bytes held by the generation cache after prompts
-of 1,024 and 8,192 tokens.
+tokenizer printed and its model_max_length; for a folder after `--cache`, the bytes held by the
+generation cache after prompts of CONTEXTS tokens (a full-attention model's prefill of them is most
+of the helper's time, so only where a test reads them).
 """
 
 import contextlib
@@ -27,6 +28,7 @@ class BlockMegabam:
 
 TEXT = "def area(r):\n    return 3.14159 * r ** 2  # circle, r = 12\n\n\tprint('ok')  \n"
 PROMPT, NEW = 20, 12
+CONTEXTS = (512, 4096)
 
 
 def token_ids(vocab: int) -> torch.Tensor:
@@ -48,7 +50,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     results = {"transformers": transformers.__version__}
-    for folder in sys.argv[2:]:
+    args = sys.argv[2:]
+    for i, folder in enumerate(args):
+        if folder == "--cache":
+            continue
         noise = io.StringIO()  # the README's load line, first in the process: it should print nothing
         with contextlib.redirect_stderr(noise), contextlib.redirect_stdout(noise), warnings.catch_warnings():
             warnings.simplefilter("always")
@@ -62,7 +67,7 @@ def main() -> None:
         generated = model.generate(ids[:1, :PROMPT], max_new_tokens=NEW, do_sample=False)
         model.model.stream = stream
         cache = {}
-        for n in (1024, 8192):
+        for n in CONTEXTS if i > 0 and args[i - 1] == "--cache" else ():
             prompt = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
             out = model.generate(prompt, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
             cache[n] = tensor_bytes(getattr(out, "cache", None) or out.past_key_values)
