@@ -9,10 +9,16 @@ after megabam's CPU set-up (configure_cpu: threads sized, denormals flushed). Ro
 ops; the table gives the median over rounds (the first dropped as warm-up), the spread and the ratio
 to the peer.
 
+`--key-cap K` caps SSMax's key count at K in the heads whose prior decays (θβ > 0), as the model does
+past the training length (model.attention.ssmax_key_cap; kernels/dispatch.py then runs the C kernel,
+and ran the tiled op until 2026-12-06): `reference` and `c_tiles` with the cap.
+
     .venv/bin/python tools/bench_cpu_attention.py --shapes 8x256 1x2048 --rounds 15
+    .venv/bin/python tools/bench_cpu_attention.py --shapes 1x1024 1x4096 --key-cap 256 --rounds 5
 """
 
 import argparse
+import math
 import statistics
 import time
 
@@ -31,12 +37,14 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=32, help="head width")
     parser.add_argument("--block", type=int, default=128, help="query rows per tile of the tiled reference op")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--key-cap", type=int, help="SSMax's key cap in the heads with θβ > 0 (default: none)")
     args = parser.parse_args()
     threads = configure_cpu()
     if library() is None:
         raise SystemExit("the C tiles could not be built (see the warning above)")
     H, D = args.heads, args.dim
-    print(f"fp32, {threads} threads, H {H}, D {D}, block {args.block}, forward + backward, ms per call")
+    cap = "" if args.key_cap is None else f", SSMax's key cap {args.key_cap} where θβ > 0"
+    print(f"fp32, {threads} threads, H {H}, D {D}, block {args.block}{cap}, forward + backward, ms per call")
     print("| B × N | op | ms (median) | spread | × sdpa causal time |")
     print("|---|---|---:|---:|---:|")
     for shape in args.shapes:
@@ -47,7 +55,12 @@ def main() -> None:
         alpha = torch.full((H,), -1.0, requires_grad=True)
         beta = torch.tensor([1.0, 0.0, -0.5, 1.5] * (H // 4) + [1.0] * (H % 4), requires_grad=True)
         s = torch.full((H,), 0.18, requires_grad=True)
-        prior = AttentionOptions(theta_alpha=alpha, theta_beta=beta, ssmax_s=s, block_size=args.block)
+        key_cap = None
+        if args.key_cap is not None:  # as megabam/model/attention.py makes it
+            key_cap = torch.where(beta.detach() > 0, float(args.key_cap), math.inf)
+        prior = AttentionOptions(
+            theta_alpha=alpha, theta_beta=beta, ssmax_s=s, block_size=args.block, ssmax_key_cap=key_cap
+        )
         ops = {
             "sdpa causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
             "reference": lambda: bam_attention(q, k, v, prior),

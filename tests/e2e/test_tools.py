@@ -192,6 +192,8 @@ def test_cpu_attention_benchmark_runs_its_table():
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| 2 × 40 |")]
     assert [r[1].strip() for r in rows] == ["sdpa causal", "reference", "c_tiles", "c_tiles, no prior"]
     assert rows[0][4].strip() == "1.00"
+    capped = subprocess.run([*cmd, "--key-cap", "8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert capped.returncode == 0 and "SSMax's key cap 8 where θβ > 0" in capped.stdout, capped.stderr[-2000:]
 
 
 def test_cpu_fused_benchmark_runs_its_table():
