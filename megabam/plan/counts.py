@@ -17,6 +17,7 @@ attention over min(window, n) keys, the recurrent cells over whole chunks), for 
 """
 
 import functools
+import weakref
 
 import torch
 
@@ -69,10 +70,24 @@ def window_draws(cfg: Config) -> list[tuple[int | None, float]]:
     return draws + [(anneal, w.anneal_fraction)]
 
 
-@functools.lru_cache(maxsize=4)
+def per_model(fn):
+    """fn(model) computed once per model object and kept while the model lives (weakly keyed, so the
+    cache holds no model): the planner asks for hundreds of layouts of one model. For models whose
+    parameters keep their shapes afterwards (a meta model; the trainer's, before it is sharded)."""
+    cache = weakref.WeakKeyDictionary()
+
+    @functools.wraps(fn)
+    def cached(model: Decoder):
+        if model not in cache:
+            cache[model] = fn(model)
+        return cache[model]
+
+    return cached
+
+
+@per_model
 def matmul_flops(model: Decoder) -> tuple[tuple[str, float], ...]:
-    """(component, forward FLOPs per token) of the weight matrices, the embedding lookup excluded:
-    walked once per model, since the planner asks for hundreds of layouts of one."""
+    """(component, forward FLOPs per token) of the weight matrices, the embedding lookup excluded."""
     flops: dict[str, float] = {}
     for name, p in model.named_parameters():
         if p.dim() >= 2 and name != "embed.weight":

@@ -29,11 +29,11 @@
   the block being recomputed (all at once: an upper bound) — plus 5 % for the allocator's fragmentation.
 """
 
-import functools
 from dataclasses import dataclass
 
 from megabam.config import Config
 from megabam.model import Decoder
+from megabam.plan.counts import per_model
 
 LOSS_CHUNK_TOKENS = 1024  # kernels/linear_cross_entropy.py CHUNK_TOKENS
 DEEPSPEED_BUCKET = 500_000_000  # elements: DeepSpeed's default reduce bucket (megabam caps it at the rank's parameters)
@@ -67,10 +67,9 @@ def _dtype_bytes(cfg: Config) -> int:
     return 2 if cfg.train.precision == "bf16" else 4
 
 
-@functools.lru_cache(maxsize=4)
+@per_model
 def parameter_sizes(model: Decoder) -> tuple[tuple[tuple[int, bool], ...], ...]:
-    """(numel, is a matrix) of each parameter of each block, then of the embedding and the untied head:
-    walked once per model, since the planner asks rank_parameters for hundreds of layouts of one."""
+    """(numel, is a matrix) of each parameter of each block, then of the embedding and the untied head."""
     heads = [model.embed.weight, *([model.lm_head.weight] if model.lm_head is not None else [])]
     parts = [list(block.parameters()) for block in model.blocks] + [[weight] for weight in heads]
     return tuple(tuple((p.numel(), p.dim() >= 2) for p in part) for part in parts)
