@@ -220,7 +220,7 @@ def attention(
 
     cuda_choice = lambda: cuda_attention_choice(q, k, options)  # noqa: E731
     if key_cap_reached(q, options):  # only the C and Triton kernels and the tiled op apply the cap
-        sdpa_applies = False
+        sdpa_applies = False  # c_tiles_apply reads it too: the C kernel then takes the call at any vector width
         cuda_choice = lambda: ("triton", "an SSMax key cap is reached: the kernel applies it")  # noqa: E731
     choice = choose(backend, q, sdpa_applies=sdpa_applies, c_tiles_apply=c_tiles_apply, cuda_choice=cuda_choice)
     if choice == "c_tiles":
