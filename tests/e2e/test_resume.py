@@ -93,45 +93,60 @@ class NotATensor:
     """Any object but tensors and plain data: what a crafted checkpoint file might hold."""
 
 
+EVERY_STEP = ["checkpoint.every=1", "checkpoint.keep=9", "eval.passkey_samples=0", "train.eval_every=0"]
+
+
 @pytest.fixture(scope="module")
-def six_steps(tmp_path_factory, data_cache):
-    root = tmp_path_factory.mktemp("six_steps")
-    megabam_train(root, data_cache, "run.name=damaged", *RUN[1:], "train.steps=6")
-    return root / "damaged"
+def every_step(tmp_path_factory, data_cache):
+    """A run of 7 steps with a checkpoint at every step, all kept; tests damage or change copies of it."""
+    root = tmp_path_factory.mktemp("every_step")
+    megabam_train(root, data_cache, "run.name=run", "train.steps=7", *EVERY_STEP)
+    return root / "run"
 
 
-@pytest.mark.parametrize(
-    "damage",
-    ["truncate", "no-manifest", "manifest-without-files", "manifest-a-list", "non-tensor-pickle", "garbled-meta"],
-)
-def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, data_cache, damage, six_steps):
-    shutil.copytree(six_steps, tmp_path / "damaged")  # each damage on its own copy of one run
-    newest = tmp_path / "damaged" / "checkpoints" / "step_00000006"
-    if damage == "truncate":
-        shard = next(newest.glob("*optim_states.pt"))
+def damage(ckpt, kind: str) -> None:
+    """Damage checkpoint folder `ckpt` as a disk, an interrupted copy or a crafted file would."""
+    if kind == "truncate":
+        shard = next(ckpt.glob("*optim_states.pt"))
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    elif damage in ("non-tensor-pickle", "garbled-meta"):  # crafted, with a manifest to match
-        if damage == "non-tensor-pickle":  # a pickle weights_only refuses
-            changed = next(newest.glob("*model_states.pt"))
+    elif kind in ("non-tensor-pickle", "garbled-meta"):  # crafted, with a manifest to match
+        if kind == "non-tensor-pickle":  # a pickle weights_only refuses
+            changed = next(ckpt.glob("*model_states.pt"))
             torch.save({"module": NotATensor()}, changed)
         else:  # metadata that is no JSON
-            changed = newest / "megabam.json"
+            changed = ckpt / "megabam.json"
             changed.write_bytes(b"\x00{ not json")
-        manifest = json.loads((newest / "manifest.json").read_text())
+        manifest = json.loads((ckpt / "manifest.json").read_text())
         digest = xxhash.xxh3_128(changed.read_bytes()).hexdigest()
         manifest["files"][changed.name] = {"bytes": changed.stat().st_size, "xxh3_128": digest}
-        (newest / "manifest.json").write_text(json.dumps(manifest))
-    elif damage == "no-manifest":
-        (newest / "manifest.json").unlink()
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    elif kind == "no-manifest":
+        (ckpt / "manifest.json").unlink()
     else:  # valid JSON of the wrong shape
-        (newest / "manifest.json").write_text('{"files": {}}' if damage == "manifest-without-files" else "[1, 2]")
-    result = megabam_train(tmp_path, data_cache, "run.name=damaged", *RUN[1:], "train.steps=8")
+        (ckpt / "manifest.json").write_text('{"files": {}}' if kind == "manifest-without-files" else "[1, 2]")
+
+
+# Newest first: the resume meets each damage in turn, those the manifest shows (verified before
+# anything loads) and those only loading shows (metadata, then DeepSpeed's files), in one start.
+DAMAGES = ["non-tensor-pickle", "garbled-meta", "truncate", "no-manifest", "manifest-without-files", "manifest-a-list"]
+
+
+def test_damaged_checkpoints_are_set_aside_back_to_the_newest_usable_one(tmp_path, data_cache, every_step):
+    run = tmp_path / "damaged"
+    shutil.copytree(every_step, run)
+    checkpoints = run / "checkpoints"
+    for step, kind in zip(range(7, 1, -1), DAMAGES):
+        damage(checkpoints / f"step_{step:08d}", kind)
+    result = megabam_train(tmp_path, data_cache, "run.name=damaged", "train.steps=9", *EVERY_STEP)
     out = result.stdout + result.stderr
-    assert f"checkpoint {newest} is unusable" in out and "set aside as .unusable-step_00000006" in out
-    assert (newest.parent / ".unusable-step_00000006").is_dir()  # kept, not deleted
-    assert "resumed from" in out and "step_00000004 at step 4" in out
-    assert "accepted config change train.steps: 6 → 8" in out
-    assert (tmp_path / "damaged" / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+    for step, kind in zip(range(7, 1, -1), DAMAGES):
+        tag = f"step_{step:08d}"
+        assert f"checkpoint {checkpoints / tag} is unusable" in out and f"set aside as .unusable-{tag}" in out, kind
+        assert (checkpoints / f".unusable-{tag}").is_dir(), kind  # kept, not deleted
+    assert "resumed from" in out and "step_00000001 at step 1" in out
+    assert "accepted config change train.steps: 7 → 9" in out
+    assert sorted(losses(run)) == list(range(1, 10))
+    assert (checkpoints / "latest").read_text().strip() == "step_00000009"
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.pipeline=2"]], ids=["data_parallel", "pipeline"])
@@ -166,14 +181,15 @@ def test_consecutive_nan_steps_stop_the_run_naming_the_last_good_checkpoint(tmp_
     assert last.startswith("megabam: error: 3 consecutive steps") and last.endswith("step_00000002")
 
 
-def test_incompatible_config_change_is_refused_with_the_keys(tmp_path, data_cache):
-    megabam_train(tmp_path, data_cache, "run.name=shape", *RUN[1:], "train.steps=4")
+def test_incompatible_config_change_is_refused_with_the_keys(tmp_path, data_cache, every_step):
+    shutil.copytree(every_step, tmp_path / "shape")
+    before = sorted(p.name for p in (tmp_path / "shape" / "checkpoints").iterdir())
     result = megabam_train(
         tmp_path,
         data_cache,
         "run.name=shape",
-        *RUN[1:],
-        "train.steps=4",
+        "train.steps=7",
+        *EVERY_STEP,
         "model.n_layers=3",
         "train.micro_batch_size=2",
         check=False,
@@ -181,3 +197,4 @@ def test_incompatible_config_change_is_refused_with_the_keys(tmp_path, data_cach
     assert result.returncode == 2
     message = result.stderr.strip().splitlines()[-1]
     assert "model.n_layers: 2 → 3" in message and "train.micro_batch_size: 4 → 2" in message
+    assert sorted(p.name for p in (tmp_path / "shape" / "checkpoints").iterdir()) == before
