@@ -18,6 +18,9 @@ SWAX = REPO / "yaml_configs" / "swax_tiny_cpu.yaml"
 
 
 def test_main_job_end_to_end(tmp_path, data_cache):
+    """The main job's run as the README starts it, wandb offline and TensorBoard on (its scalars read
+    back with TensorBoard's own reader: the metrics.jsonl values at the same steps, every head's, and
+    the two figures), then evaluated and drawn in fresh processes."""
     result = megabam_train(
         tmp_path,
         data_cache,
@@ -26,6 +29,7 @@ def test_main_job_end_to_end(tmp_path, data_cache):
         "checkpoint.every=15",
         "train.eval_every=15",
         "logging.wandb_mode=offline",
+        "logging.tensorboard=true",
         "logging.plots=true",
     )
     run_dir = tmp_path / "e2e"
@@ -45,6 +49,14 @@ def test_main_job_end_to_end(tmp_path, data_cache):
     assert 15 in logged(run_dir, "passkey_128") and 15 in logged(run_dir, "passkey_128_key_tokens")
     heads = logged(run_dir, "heads")[30]
     assert {"bam/layer1/head3/theta_alpha", "bam/layer1/head3/beta", "ssmax/layer1/head3/s"} <= set(heads)
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0}).Reload()
+    for key in ("loss", "lr", "val_loss", "passkey_128"):
+        rows = logged(run_dir, key)
+        assert 30 in rows and {e.step: e.value for e in acc.Scalars(key)} == pytest.approx(rows), key
+    assert set(heads) <= set(acc.Tags()["scalars"])
+    for tag in ("loss", "passkey"):
+        [picture] = acc.Images(tag)
+        assert picture.step == 30 and picture.width > 100, tag
 
     # The run's DeepSpeed checkpoint evaluated and drawn in fresh processes, as a user would.
     evaluate = [sys.executable, "-m", "megabam.cli", "eval", "passkey", str(run_dir), "--lengths", "128", "256"]
@@ -55,24 +67,6 @@ def test_main_job_end_to_end(tmp_path, data_cache):
         plot = [sys.executable, "-m", "megabam.cli", "plot", kind, str(run_dir)]
         out = subprocess.run(plot, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
         assert out.returncode == 0 and Path(out.stdout.strip()).stat().st_size > 1000, out.stderr[-3000:]
-
-
-def test_tensorboard_events(tmp_path, data_cache):
-    """logging.tensorboard: the metrics.jsonl scalars at the same steps and values, every head's values,
-    and the two figures, read back with TensorBoard's own reader."""
-    megabam_train(
-        tmp_path, data_cache, "run.name=tb", "train.steps=3", "logging.tensorboard=true", "logging.plots=true"
-    )
-    run_dir = tmp_path / "tb"
-    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0}).Reload()
-    for key in ("loss", "lr", "val_loss", "passkey_128"):
-        rows = logged(run_dir, key)
-        assert 3 in rows and {e.step: e.value for e in acc.Scalars(key)} == pytest.approx(rows), key
-    heads = logged(run_dir, "heads")[3]
-    assert "ssmax/layer1/head3/s" in heads and set(heads) <= set(acc.Tags()["scalars"])
-    for tag in ("loss", "passkey"):
-        [picture] = acc.Images(tag)
-        assert picture.step == 3 and picture.width > 100, tag
 
 
 def test_existing_run_is_never_overwritten(tmp_path, data_cache):
