@@ -1,13 +1,10 @@
 """`megabam convert` on checkpoints that real parallel training wrote (DeepSpeed under torchrun,
-gloo): TP=2 × PP=2 (per-layer files, ZeRO-1) here; DP=2 × TP=2 with ZeRO-2, and TP=2's damaged files,
-on test_parallel_train.py's runs. The consolidated folder's one-process model must give the logits
-that the parallel model computes after DeepSpeed itself loads the same checkpoint
-(tests/helpers/consolidation.py)."""
-
-import shutil
+gloo): TP=2 × PP=2 (per-layer files, ZeRO-1) here; DP=2 × TP=2 with ZeRO-2, TP=2's damaged files and
+PP=2's layer file copied over another, on test_parallel_train.py's runs. The consolidated folder's
+one-process model must give the logits that the parallel model computes after DeepSpeed itself loads
+the same checkpoint (tests/helpers/consolidation.py)."""
 
 import pytest
-from helpers.checkpoints import resign
 from helpers.consolidation import assert_consolidates_to_the_parallel_logits
 from helpers.runs import logged, megabam_train
 
@@ -20,32 +17,6 @@ def test_consolidated_model_gives_the_parallel_models_logits(tmp_path, data_cach
     megabam_train(tmp_path, data_cache, "run.name=tp2pp2", "train.steps=3", "checkpoint.every=3", *TP2PP2, nproc=4)
     ckpt = tmp_path / "tp2pp2" / "checkpoints" / "step_00000003"
     assert_consolidates_to_the_parallel_logits(tmp_path / "tp2pp2", ckpt, 4, 1, tmp_path / "consolidated", capsys)
-    _a_pipeline_layer_file_copied_over_another_is_refused(tmp_path, data_cache, ckpt, capsys)
-
-
-def _a_pipeline_layer_file_copied_over_another_is_refused(tmp_path, data_cache, ckpt, capsys):
-    """Blocks 0 and 1 (pipeline layers 1 and 2) have the same tensor names and shapes: a copy of one
-    over the other, manifest re-signed, is refused by convert and by a resuming training run."""
-    shutil.copy(ckpt / "layer_01-model_00-model_states.pt", ckpt / "layer_02-model_00-model_states.pt")
-    resign(ckpt)
-    swapped = (
-        "written as layer 1 of tensor rank 0 of a tensor=2, pipeline=2 layout, not layer 2 of tensor rank 0 of a "
-        "tensor=2, pipeline=2 layout (a file copied over another?)"
-    )
-    assert main(["convert", "inspect", str(ckpt)]) == 2
-    assert capsys.readouterr().err.strip().endswith(f"layer_02-model_00-model_states.pt: {swapped}")
-    resumed = megabam_train(
-        tmp_path,
-        data_cache,
-        "run.name=tp2pp2",
-        "train.steps=4",
-        "checkpoint.every=3",
-        *TP2PP2,
-        nproc=4,
-        check=False,
-    )
-    assert resumed.returncode == 2
-    assert f"layer 2's file was {swapped}" in resumed.stdout + resumed.stderr
 
 
 def test_a_new_run_starts_from_a_consolidated_folder(tmp_path, data_cache):

@@ -2,7 +2,8 @@
 (with full activation recomputation), DP=2 × TP=2 (ZeRO-2, selective recomputation), PP=2 and
 DP=2 × PP=2 (ZeRO-1) against the plain single-process run, one model file per tensor rank or
 layer, ZeRO shards per data-parallel rank, exact resumes, and a world size the layout does not divide;
-on the same runs, `megabam convert`'s consolidation (DP=2 × TP=2) and its refusal of damaged files (TP=2)."""
+on the same runs, `megabam convert`'s consolidation (DP=2 × TP=2) and its refusal of damaged files (TP=2,
+and PP=2's layer file copied over another, which the resume sets aside)."""
 
 import shutil
 
@@ -146,9 +147,10 @@ def test_world_size_that_the_layout_does_not_divide_is_refused(tmp_path, data_ca
     assert not (tmp_path / "bad").exists()
 
 
-def test_pipeline_parallel_training_matches_one_process_and_resumes(tmp_path, data_cache, reference):
+def test_pipeline_parallel_training_matches_one_process_and_resumes(tmp_path, data_cache, reference, capsys):
     """PP=2 through `megabam train`: the same losses and parameter count as one process, one file per
-    layer (the tied embedding once, by the first stage), and an exact resume from the middle."""
+    layer (the tied embedding once, by the first stage), and an exact resume from the middle past a
+    newer checkpoint whose layer file was copied over another's."""
     reference_losses, reference_params = reference
     run = ["parallel.pipeline=2", "parallel.recompute=full", *RUN]
     two = megabam_train(tmp_path, data_cache, "run.name=pp2", *run, nproc=2)
@@ -161,11 +163,26 @@ def test_pipeline_parallel_training_matches_one_process_and_resumes(tmp_path, da
     # embedding, two blocks, final norm (layers 0-3); the head is the tied embedding, not saved twice
     assert {p.name for p in saved.glob("layer_*")} == {f"layer_{i:02d}-model_00-model_states.pt" for i in range(4)}
 
+    # A copy whose step-6 checkpoint has block 0's file (pipeline layer 1) copied over block 1's (layer
+    # 2: the same tensor names and shapes), manifest re-signed, and no summary (as if killed before it
+    # was written): convert refuses the checkpoint, and the resume sets it aside and continues from
+    # step 3 exactly.
     part = tmp_path / "part"
     shutil.copytree(tmp_path / "pp2", part)
-    shutil.rmtree(part / "checkpoints" / "step_00000006")
+    (part / "summary.json").unlink()
+    swapped_ckpt = part / "checkpoints" / "step_00000006"
+    shutil.copy(swapped_ckpt / "layer_01-model_00-model_states.pt", swapped_ckpt / "layer_02-model_00-model_states.pt")
+    resign(swapped_ckpt)
+    swapped = (
+        "written as layer 1 of tensor rank 0 of a tensor=1, pipeline=2 layout, not layer 2 of tensor rank 0 of a "
+        "tensor=1, pipeline=2 layout (a file copied over another?)"
+    )
+    assert main(["convert", "inspect", str(swapped_ckpt)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"layer_02-model_00-model_states.pt: {swapped}")
     resumed = megabam_train(tmp_path, data_cache, "run.name=part", *run, nproc=2, resume=True)
-    assert "resumed from" in resumed.stdout + resumed.stderr
+    out = resumed.stdout + resumed.stderr
+    assert f"layer 2's file was {swapped}" in out and "set aside as .unusable-step_00000006" in out
+    assert "resumed from" in out and "step_00000003 at step 3" in out
     continued = losses(part)
     for step in range(4, 7):
         assert continued[step] == parallel[step], step
