@@ -41,6 +41,10 @@ VARIANTS = {
     "deltanet": ["model.layer_pattern=[swa,gated_deltanet]", *SWA],
 }
 HELPER = REPO / "tests" / "helpers" / "hf_load.py"
+# The fresh processes' environment: offline, without megabam on the path, and one thread, as the test
+# workers' own share of the cores (tests/conftest.py): two threads beside a busy worker cost ~6 s of
+# CPU time more over this file.
+FRESH = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
 CACHE_CHECKED = ("ggd_ssmax", "swax")  # whose generation cache check_export measures at CONTEXTS
 # What the newest transformers is checked on: the variants that reach different parts of its API (the
 # plain model, the untied head and grouped kv heads in the config, each recurrent cache). The other
@@ -70,7 +74,7 @@ def load_with_transformers(exports, environment: str) -> tuple[dict, dict]:
     root, folders = exports
     python = sys.executable if environment == "environment" else str(side_python())
     result = root / f"{environment}.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1", PYTHONPATH="")
+    env = dict(os.environ, **FRESH)
     cmd = [python, str(HELPER), str(result)]
     for name in ENVIRONMENTS[environment]:
         cmd += [*(["--cache"] if name in CACHE_CHECKED else []), str(folders[name][1])]
@@ -168,7 +172,7 @@ def test_lm_evaluation_harness_scores_an_export_as_megabam_does(exports, tmp_pat
     cmd += ["--model_args", f"pretrained={hf},trust_remote_code=True", "--tasks", "megabam_local_mc"]
     cmd += ["--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "1"]
     cmd += ["--output_path", str(tmp_path / "out"), "--log_samples"]
-    env = dict(os.environ, OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH="")
+    env = dict(os.environ, **FRESH, HF_DATASETS_OFFLINE="1")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     (results,) = (tmp_path / "out").rglob("results_*.json")
@@ -193,7 +197,7 @@ def test_a_transformers_xlstm_imports_with_its_logits(tmp_path, capsys):
     on its own models — imports with `from-hf` as mLSTM layers and computes its logits. A fused one
     (which transformers 5.24 cannot build) and one megabam cannot express are refused, naming why."""
     helper = REPO / "tests" / "helpers" / "xlstm_peer.py"
-    env = dict(os.environ, OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1", PYTHONPATH="")
+    env = dict(os.environ, **FRESH)
     done = subprocess.run([str(side_python()), str(helper), str(tmp_path)], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     folder, out = tmp_path / "single", tmp_path / "imported"
