@@ -113,21 +113,6 @@ def test_lowering_train_steps_on_resume_keeps_every_checkpoint(tmp_path, data_ca
     assert digests(run) == everything and {p: p.stat().st_mtime_ns for p in run.rglob("*")} == files
 
 
-def test_a_kill_before_the_first_checkpoint_restarts_from_step_zero(tmp_path, data_cache):
-    proc = start_train(
-        tmp_path, data_cache, "run.name=early", "train.steps=1000", "checkpoint.every=0", log=tmp_path / "killed.log"
-    )
-    try:
-        wait_for_step(tmp_path / "early", 2, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole job, as a scheduler kills it
-        proc.wait()
-    assert not list((tmp_path / "early").glob("checkpoints/step_*"))
-    result = megabam_train(tmp_path, data_cache, "run.name=early", "train.steps=3")
-    assert "no checkpoint yet, only what an earlier start wrote; starting again from step 0" in result.stdout
-    assert (tmp_path / "early" / "checkpoints" / "latest").read_text().strip() == "step_00000003"
-
-
 def catches(pid: int, sig: int) -> bool:
     """Whether process `pid` has a handler for `sig` (the kernel's SigCgt mask)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -273,25 +258,31 @@ def test_a_full_disk_during_a_save_says_the_previous_checkpoint_is_intact(tmp_pa
         subprocess.run(["umount", "-l", str(disk)])
 
 
-def test_shared_memory_a_killed_job_left_is_removed_by_the_next_start(tmp_path, data_cache):
-    """kill -9 of a whole training job leaves streaming's /dev/shm segments (nothing frees them); the
-    next start removes the ones no live process maps."""
+def test_a_job_killed_before_its_first_checkpoint_restarts_from_step_zero_and_frees_its_shared_memory(
+    tmp_path, data_cache
+):
+    """kill -9 of a whole training job before its first checkpoint leaves what it wrote but no checkpoint,
+    and streaming's /dev/shm segments (nothing frees them); the next start says it begins again from
+    step 0 and removes the segments no live process maps."""
     proc = start_train(
-        tmp_path, data_cache, "run.name=shm", "train.steps=100000", "checkpoint.every=0", log=tmp_path / "shm.log"
+        tmp_path, data_cache, "run.name=early", "train.steps=1000", "checkpoint.every=0", log=tmp_path / "killed.log"
     )
     try:
-        wait_for_step(tmp_path / "shm", 1, proc)
+        wait_for_step(tmp_path / "early", 2, proc)
         (rank,) = ranks_of(tmp_path)
         segments = {line.split()[-1] for line in Path(f"/proc/{rank.pid}/maps").read_text().splitlines()}
         segments = {s for s in segments if s.startswith("/dev/shm/") and s[9:15].isdigit()}
         assert segments
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole job, as a scheduler kills it
         proc.wait()
+    assert not list((tmp_path / "early").glob("checkpoints/step_*"))
     # Left behind (a later job may take the same name: the files are told apart by inode).
     left = {(s, os.stat(s).st_ino) for s in segments}
     time.sleep(MIN_AGE_S)  # the cleanup spares segments younger than this (a job may be creating them)
-    megabam_train(tmp_path, data_cache, "run.name=again", "train.steps=3", "eval.passkey_samples=0")
+    result = megabam_train(tmp_path, data_cache, "run.name=early", "train.steps=3", "eval.passkey_samples=0")
+    assert "no checkpoint yet, only what an earlier start wrote; starting again from step 0" in result.stdout
+    assert (tmp_path / "early" / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     assert not [s for s, inode in left if Path(s).exists() and os.stat(s).st_ino == inode]
 
 
