@@ -122,8 +122,8 @@ def test_fp32_matches_reference(ssmax, doc, window):
     compare(ins, bam_kwargs(ins, ssmax, doc, window), wrt=range(7) if ssmax else range(6))
 
 
-@pytest.mark.parametrize("window", [None, 16])
-@pytest.mark.parametrize("ssmax", [None, "after", "before"])
+# fp16 changes the inputs' and outputs' rounding, not the masks: each SSMax order once, both windows.
+@pytest.mark.parametrize("ssmax, window", [(None, 16), ("after", None), ("before", 16)])
 def test_fp16_matches_reference(ssmax, window):
     ins = make_inputs(torch.float16, seed=3)
     compare(ins, bam_kwargs(ins, ssmax, True, window), wrt=range(7) if ssmax else range(6))
