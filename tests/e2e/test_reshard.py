@@ -52,12 +52,15 @@ def sources(tmp_path_factory, data_cache):
     return source
 
 
-def dump_optimizer(ckpt, out, nproc: int) -> dict:
+def dump_optimizers(checkpoints: dict, nproc: int) -> list[dict]:
+    """Each checkpoint's optimizer state as DeepSpeed loads it (checkpoint → file to write), in one
+    launch of `nproc` ranks."""
     helper = REPO / "tests" / "helpers" / "optimizer_dump.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(helper)]
-    result = subprocess.run([*cmd, str(ckpt), str(out)], capture_output=True, text=True, env=ENV, timeout=600)
+    cmd += [str(path) for pair in checkpoints.items() for path in pair]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    return torch.load(out, weights_only=True)
+    return [torch.load(out, weights_only=True) for out in checkpoints.values()]
 
 
 def full_states(dump: dict, reader: CheckpointReader) -> dict[str, dict[str, torch.Tensor]]:
@@ -98,8 +101,10 @@ def test_a_resharded_run_resumes_as_the_original_continues(tmp_path, data_cache,
     if not compare_optimizer:
         return
 
-    theirs = dump_optimizer(ckpt, tmp_path / "source.pt", 2)
-    ours = dump_optimizer(out / "checkpoints" / "step_00000003", tmp_path / "resharded.pt", nproc)
+    assert nproc == 2  # the source's world size too: both load in one launch
+    theirs, ours = dump_optimizers(
+        {ckpt: tmp_path / "source.pt", out / "checkpoints" / "step_00000003": tmp_path / "resharded.pt"}, nproc
+    )
     assert theirs["steps"] == ours["steps"] == [3]
     expected, got = full_states(theirs, CheckpointReader(ckpt)), full_states(ours, CheckpointReader(out))
     assert sorted(expected) == sorted(got) and len(expected) > 10

@@ -3,8 +3,9 @@ builds its part of the layout as the trainer does, DeepSpeed loads the checkpoin
 checkpoint.load), and each parameter's fp32 master weights and Adam moments are gathered over the
 data-parallel ranks by DeepSpeed's own `safe_get_full_*`. Saved per (Decoder name, tensor rank), with
 the Adam step: the oracle of the reshard tests, which never reads the files through megabam/convert.
+Several checkpoints of the same world size (any layouts) load one after the other in one launch.
 
-    python -m torch.distributed.run --standalone --nproc-per-node=N optimizer_dump.py CKPT OUT.pt
+    python -m torch.distributed.run --standalone --nproc-per-node=N optimizer_dump.py CKPT OUT.pt [CKPT OUT.pt ...]
 """
 
 import os
@@ -22,7 +23,7 @@ from megabam.parallel.pipeline_layers import decoder_name, pipeline_layers  # no
 from megabam.train.optim import PLACEHOLDER  # noqa: E402
 
 
-def main(ckpt: Path, out: Path) -> None:
+def dump(ckpt: Path, out: Path) -> None:
     cfg, topology, engine = loaded_engine(ckpt)
     ds = engine.deepspeed
     ds.optimizer._lazy_init_hp_params_optimizer_state()  # DeepSpeed links the moments at the first step
@@ -39,8 +40,9 @@ def main(ckpt: Path, out: Path) -> None:
     if dist.get_rank() == 0:
         torch.save({"steps": sorted(steps), "params": {k: v for part in gathered for k, v in part.items()}}, out)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    for ckpt, out in zip(sys.argv[1::2], sys.argv[2::2]):
+        dump(Path(ckpt), Path(out))
+    dist.destroy_process_group()
