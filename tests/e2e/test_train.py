@@ -18,9 +18,9 @@ SWAX = REPO / "yaml_configs" / "swax_tiny_cpu.yaml"
 
 
 def test_main_job_end_to_end(tmp_path, data_cache):
-    """The main job's run as the README starts it, wandb offline and TensorBoard on (its scalars read
-    back with TensorBoard's own reader: the metrics.jsonl values at the same steps, every head's, and
-    the two figures), then evaluated and drawn in fresh processes."""
+    """The main job's config at the tests' small size for 30 steps, wandb offline and TensorBoard on
+    (its scalars read back with TensorBoard's own reader: the metrics.jsonl values at the same steps,
+    every head's, and the two figures), then evaluated and drawn in fresh processes."""
     result = megabam_train(
         tmp_path,
         data_cache,
