@@ -287,8 +287,25 @@ def fwd_kernel(
     tl.store(TOP + pid_bh * N + offs_m, top, mask=row_ok)
 
 
+# Triton before 3.9 (the GPU image's 3.6) spills dk/dv's 4-warp tile with grouped query heads.
+SPILLS_GROUPED_W4 = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9)
+
+
+def _no_spilling_group_tiles(configs, named_args, **kwargs):
+    """Compiled for sm_90 by Triton 3.6, dk/dv's 16x64 tile at 4 warps spills 6 words with GROUP > 1
+    (outside the score loop: tools/kernel_budget.py, docs/benchmarks.md "Instruction budget"); 3.9
+    keeps them in registers. There, grouped heads take the 8-warp tile alone."""
+    if not SPILLS_GROUPED_W4 or {**named_args, **kwargs}["GROUP"] == 1:
+        return configs
+    return [c for c in configs if not (c.kwargs["BLOCK_N"] == 64 and c.num_warps == 4)]
+
+
 # GROUP in the key: with grouped-query attention the dk/dv grid has GROUP times fewer, longer programs.
-@triton.autotune(configs=_configs([(16, 128, 8, 2), (16, 64, 4, 2)]), key=_TUNE_KEY + ["GROUP"])
+@triton.autotune(
+    configs=_configs([(16, 128, 8, 2), (16, 64, 4, 2)]),
+    key=_TUNE_KEY + ["GROUP"],
+    prune_configs_by={"early_config_prune": _no_spilling_group_tiles},
+)
 @triton.jit
 def bwd_dkdv_kernel(
     Q,

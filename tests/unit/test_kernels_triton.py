@@ -29,6 +29,7 @@ import pytest
 import torch
 
 os.environ["TRITON_INTERPRET"] = "1"
+import triton  # noqa: E402
 from helpers.dispatch_spy import spy_on_ops  # noqa: E402
 
 import megabam.kernels.bam_attention_triton as kt  # noqa: E402
@@ -348,6 +349,19 @@ def test_gqa_matches_reference(dtype, heads, kv_heads, ssmax, doc, window):
     ins = gqa_inputs(dtype, heads, kv_heads, seed=heads + kv_heads)
     errors = compare(ins, bam_kwargs(ins, ssmax, doc, window), wrt=range(7) if ssmax else range(6))
     assert errors.keys() >= {"dk", "dv"}
+
+
+def test_an_older_triton_leaves_out_the_dkdv_tile_it_spills_with_grouped_heads(monkeypatch):
+    """Triton 3.6 (the GPU image's) spills dk/dv's 16x64 4-warp tile at GROUP > 1 and 3.9 does not
+    (docs/benchmarks.md, "Instruction budget"): under an older Triton the autotuner's prune leaves it
+    out for grouped heads only; the interpreter's one tile is never left out."""
+    tiles = [triton.Config({"BLOCK_M": 16, "BLOCK_N": n}, num_warps=w) for n, w in ((128, 8), (64, 4))]
+    interpreter = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4)]
+    assert kt.bwd_dkdv_kernel.early_config_prune is kt._no_spilling_group_tiles
+    for older, group, kept in [(True, 4, tiles[:1]), (True, 1, tiles), (False, 4, tiles)]:
+        monkeypatch.setattr(kt, "SPILLS_GROUPED_W4", older)
+        assert kt._no_spilling_group_tiles(tiles, {"GROUP": group}) == kept, (older, group)
+        assert kt._no_spilling_group_tiles(interpreter, {}, GROUP=group) == interpreter
 
 
 def test_gqa_strided_kv_and_repeated_kv_agree():
