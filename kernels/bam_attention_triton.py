@@ -287,7 +287,8 @@ def fwd_kernel(
     tl.store(TOP + pid_bh * N + offs_m, top, mask=row_ok)
 
 
-# Triton before 3.9 (the GPU image's 3.6) spills dk/dv's 4-warp tile with grouped query heads.
+# The GPU image's Triton 3.6 spills dk/dv's 4-warp tile with grouped query heads and the pinned 3.9
+# does not; 3.7 and 3.8 were not compiled here, so they are treated as 3.6.
 SPILLS_GROUPED_W4 = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9)
 
 
